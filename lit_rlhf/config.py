@@ -1,0 +1,184 @@
+"""Typed settings for the algorithm and for sampling, validated when they are made.
+
+PPO and GRPO are one code path: `AlgorithmConfig.name` only fills in the settings left as None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lit_rlhf.losses import GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+
+ALGORITHMS = ("ppo", "grpo")
+ADVANTAGE_ESTIMATORS = ("gae",) + GROUP_ESTIMATORS
+
+# The settings each algorithm fills in when the user leaves them as None.
+_ALGORITHM_DEFAULTS = {
+    "ppo": dict(group_size=1, advantage_estimator="gae", kl_coef=0.05, kl_estimator="k1", kl_in_reward=True),
+    "grpo": dict(group_size=8, advantage_estimator="grpo", kl_coef=0.04, kl_estimator="k3", kl_in_reward=False),
+}
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the field and the fix."""
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field}: {message}")
+
+
+@dataclass
+class AlgorithmConfig:
+    """How experience becomes a loss. Fields left as None take the defaults of `name`."""
+
+    name: str = "grpo"
+    """'ppo' (critic, GAE, KL in the reward) or 'grpo' (group-normalised scores, KL k3 in the loss)."""
+    group_size: int | None = None
+    """Responses sampled per prompt (G). PPO default 1, GRPO default 8 (GRPO needs at least 2)."""
+    advantage_estimator: str | None = None
+    """'gae' (needs the critic), or a group estimator: 'grpo', 'batch_std', 'dr_grpo', 'rloo'."""
+    kl_coef: float | None = None
+    """Weight beta of the KL to the reference policy (PPO 0.05, GRPO 0.04). 0 skips the reference model."""
+    kl_estimator: str | None = None
+    """'k1', 'k2', 'k3' (from sampled tokens) or 'full' (exact, over the vocabulary)."""
+    kl_in_reward: bool | None = None
+    """True: -beta*KL goes into the per-token reward (PPO). False: beta*KL is added to the loss (GRPO)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout."""
+    num_minibatches: int = 1
+    """Optimizer steps per pass; the rollout is split into this many minibatches."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward; gradients accumulate over a minibatch. None: the whole minibatch."""
+    clip_eps_low: float = 0.2
+    """Lower ratio clip: the ratio is clipped at 1 - clip_eps_low."""
+    clip_eps_high: float | None = None
+    """Upper ratio clip (1 + clip_eps_high). None: equal to clip_eps_low."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A. None: off."""
+    value_clip: float | None = 0.2
+    """Clip of the value update around the old values. None: plain MSE."""
+    vf_coef: float = 0.1
+    """Weight of the value loss (PPO)."""
+    gamma: float = 1.0
+    """Discount of GAE."""
+    lam: float = 0.95
+    """Lambda of GAE."""
+    whiten_advantages: bool = True
+    """Normalise GAE advantages over the valid tokens of the rollout (PPO)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus subtracted from the loss."""
+    loss_aggregation: str = "token_mean"
+    """'token_mean', 'seq_mean_token_mean' or 'seq_mean_token_sum_norm' (Dr.GRPO)."""
+    truncated_score: float | None = None
+    """Score given to responses that hit max_new_tokens without EOS. None: keep the reward's score."""
+    mask_truncated: bool = False
+    """Leave truncated responses out of the loss."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient norm of each optimizer step to this. None: no clipping."""
+    group_eps: float = 1e-6
+    """Added to the standard deviation in group normalisation."""
+
+    def __post_init__(self) -> None:
+        _require(self.name in ALGORITHMS, "algorithm.name", f"unknown algorithm {self.name!r}; use one of {ALGORITHMS}")
+        for key, value in _ALGORITHM_DEFAULTS[self.name].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.clip_eps_high is None:
+            self.clip_eps_high = self.clip_eps_low
+        _require(
+            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
+            "algorithm.advantage_estimator",
+            f"unknown estimator {self.advantage_estimator!r}; use one of {ADVANTAGE_ESTIMATORS}",
+        )
+        _require(
+            self.kl_estimator in KL_ESTIMATORS,
+            "algorithm.kl_estimator",
+            f"unknown KL estimator {self.kl_estimator!r}; use one of {KL_ESTIMATORS}",
+        )
+        _require(self.group_size >= 1, "algorithm.group_size", f"must be >= 1, got {self.group_size}")
+        if self.advantage_estimator != "gae":
+            _require(
+                self.group_size >= 2,
+                "algorithm.group_size",
+                f"the group estimator {self.advantage_estimator!r} needs at least 2 responses per prompt, "
+                f"got {self.group_size}; set algorithm.group_size to 2 or more (8 is usual)",
+            )
+        _require(self.ppo_epochs >= 1, "algorithm.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
+        _require(self.num_minibatches >= 1, "algorithm.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
+        _require(
+            self.micro_batch_size is None or self.micro_batch_size >= 1,
+            "algorithm.micro_batch_size",
+            f"must be >= 1 or None, got {self.micro_batch_size}",
+        )
+        _require(self.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _require(self.clip_eps_low > 0 and self.clip_eps_high > 0, "algorithm.clip_eps_low/high", "must be > 0")
+        _require(self.clip_eps_low < 1, "algorithm.clip_eps_low", f"must be < 1, got {self.clip_eps_low}")
+        _require(
+            self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip", f"must be > 1 or None, got {self.dual_clip}"
+        )
+        _require(self.value_clip is None or self.value_clip > 0, "algorithm.value_clip", "must be > 0 or None")
+        _require(
+            self.max_grad_norm is None or self.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0 or None"
+        )
+        _require(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
+        _require(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
+        _require(
+            self.loss_aggregation in LOSS_AGGREGATIONS,
+            "algorithm.loss_aggregation",
+            f"unknown aggregation {self.loss_aggregation!r}; use one of {LOSS_AGGREGATIONS}",
+        )
+
+    @property
+    def uses_critic(self) -> bool:
+        """A value head is trained only for GAE."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        """The reference model is needed only when the KL has weight."""
+        return self.kl_coef > 0
+
+    def check_batch(self, rollout_batch_size: int) -> None:
+        """Raise if `rollout_batch_size` sequences do not split into minibatches and micro-batches."""
+        _require(
+            rollout_batch_size % self.num_minibatches == 0,
+            "algorithm.num_minibatches",
+            f"the rollout has {rollout_batch_size} sequences (prompts per step x group_size), which do not split "
+            f"into {self.num_minibatches} equal minibatches; choose a divisor of {rollout_batch_size}",
+        )
+        minibatch = rollout_batch_size // self.num_minibatches
+        if self.micro_batch_size is not None:
+            _require(
+                minibatch % self.micro_batch_size == 0,
+                "algorithm.micro_batch_size",
+                f"a minibatch has {minibatch} sequences, not divisible by micro_batch_size={self.micro_batch_size}; "
+                f"choose a divisor of {minibatch}",
+            )
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are sampled from the policy."""
+
+    max_new_tokens: int = 32
+    """Longest response in tokens; a response reaching it without EOS counts as truncated."""
+    temperature: float = 1.0
+    """Softmax temperature for sampling and for every log-prob of the policy and reference."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only. 0: off."""
+    top_p: float = 1.0
+    """Nucleus sampling mass. 1.0: off."""
+    backend: str = "generate"
+    """'generate' (Hugging Face generate)."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_new_tokens > 0,
+            "sampling.max_new_tokens",
+            f"must be > 0, got {self.max_new_tokens}; responses need at least one token",
+        )
+        _require(self.temperature > 0, "sampling.temperature", f"must be > 0, got {self.temperature}")
+        _require(self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
+        _require(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.backend in ("generate",), "sampling.backend", f"unknown backend {self.backend!r}; use 'generate'")
