@@ -71,13 +71,13 @@ def sort_digits_prompts(seed: int = 0, min_digits: int = 3, max_digits: int = 5)
 
 
 def sort_digits_score(prompt: str, response: str) -> float:
-    """Partial credit in [0, 1]: correct characters in place, over the longer of answer and response."""
+    """Partial credit in [0, 1]: one point per digit in its sorted place, one for the right length,
+    over (the longer of answer and response) + 1. '1234' for '3142>' scores 1; '12' scores 2/5."""
     target = "".join(sorted(prompt.split(SEPARATOR)[0]))
     response = response.strip()
-    if not target:
-        return float(response == "")
     hits = sum(1 for a, b in zip(target, response) if a == b)
-    return hits / max(len(target), len(response))
+    right_length = len(response) == len(target)
+    return (hits + right_length) / (max(len(target), len(response)) + 1)
 
 
 def sort_digits_reward(prompts: Sequence[str], responses: Sequence[str], **meta: Any) -> list[float]:

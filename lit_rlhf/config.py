@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from lit_rlhf.losses import GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 
 ALGORITHMS = ("ppo", "grpo")
+SAMPLING_BACKENDS = ("lean", "generate")
 ADVANTAGE_ESTIMATORS = ("gae",) + GROUP_ESTIMATORS
 
 # The settings each algorithm fills in when the user leaves them as None.
@@ -139,6 +140,13 @@ class AlgorithmConfig:
         """The reference model is needed only when the KL has weight."""
         return self.kl_coef > 0
 
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Old log-probs need their own no-grad forward unless the update makes one pass with one
+        minibatch (its first forward then gives them, ratio exactly 1) and nothing else needs them first."""
+        single_pass = self.ppo_epochs == 1 and self.num_minibatches == 1
+        return not single_pass or self.uses_critic or (self.uses_reference and self.kl_in_reward)
+
     def check_batch(self, rollout_batch_size: int) -> None:
         """Raise if `rollout_batch_size` sequences do not split into minibatches and micro-batches."""
         _require(
@@ -170,7 +178,8 @@ class SamplingConfig:
     top_p: float = 1.0
     """Nucleus sampling mass. 1.0: off."""
     backend: str = "generate"
-    """'generate' (Hugging Face generate)."""
+    """'lean' (`lit_rlhf.sampling`: a minimal KV-cache loop) or 'generate' (Hugging Face generate). Both sample
+    the same distribution (same tokens for the same seed)."""
 
     def __post_init__(self) -> None:
         _require(
@@ -181,4 +190,8 @@ class SamplingConfig:
         _require(self.temperature > 0, "sampling.temperature", f"must be > 0, got {self.temperature}")
         _require(self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
         _require(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(self.backend in ("generate",), "sampling.backend", f"unknown backend {self.backend!r}; use 'generate'")
+        _require(
+            self.backend in SAMPLING_BACKENDS,
+            "sampling.backend",
+            f"unknown backend {self.backend!r}; use one of {SAMPLING_BACKENDS}",
+        )

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import math
 import time
+import warnings
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
@@ -31,6 +32,10 @@ from lit_rlhf.models import (
 from lit_rlhf.rewards import RewardComposer, SequenceRewardModel, resolve_reward_fns
 from lit_rlhf.rollout import collect_experience
 from lit_rlhf.types import Experience, PromptBatch, iterate_minibatches, split_rows
+
+# training_step(self, dataloader_iter) is how rollouts stay fresh (DESIGN §1); Lightning warns that the
+# signature is experimental on every fit. We rely on it deliberately, so those two notices are silenced.
+warnings.filterwarnings("ignore", message=r".*`dataloader_iter`.*")
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
 MODEL_ARGUMENTS = ("policy", "tokenizer", "reference", "reward_model", "reward_tokenizer", "reward_fns")
@@ -107,8 +112,12 @@ class RLHFModule(L.LightningModule):
                      reward_tokenizer=reward_tokenizer)
         self.hparams.update({k: v for k, v in named.items() if _is_name(v)})
         if reward_fns:
-            self.hparams["reward_fns"] = [f if isinstance(f, str) else f"{f.__module__}.{f.__qualname__}"
-                                          for f in reward_fns]
+            # callable objects and functools.partial have no __qualname__ (partial: no __module__ either)
+            self.hparams["reward_fns"] = [
+                f if isinstance(f, str) else f"{getattr(f, '__module__', None) or type(f).__module__}."
+                f"{getattr(f, '__qualname__', None) or type(f).__qualname__}"
+                for f in reward_fns
+            ]
         self._specs = dict(policy=policy, tokenizer=tokenizer, reference=reference, reward_model=reward_model,
                            reward_tokenizer=reward_tokenizer)
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
@@ -272,6 +281,8 @@ class RLHFModule(L.LightningModule):
         mask = mb.loss_mask
         logits, values = self.actor_critic(mb.input_ids(), mb.attention_mask(), T)
         logprobs = losses.logprobs_from_logits(logits, mb.response_ids, self.sampling.temperature)
+        # single pass without a critic: the policy has not moved yet, so this forward is the old policy
+        old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
 
         def aggregate(per_token: Tensor) -> Tensor:
             return losses.aggregate_loss(per_token, mask, algo.loss_aggregation, totals["tokens"],
@@ -281,11 +292,11 @@ class RLHFModule(L.LightningModule):
             return float(losses.masked_sum(per_token.detach().float(), mask) / totals["tokens"])
 
         policy_tokens, clipped = losses.clipped_policy_loss(
-            logprobs, mb.old_logprobs, mb.advantages, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip
+            logprobs, old_logprobs, mb.advantages, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip
         )
         policy_loss = aggregate(policy_tokens)
         loss = policy_loss
-        log_ratio = (logprobs - mb.old_logprobs).detach()
+        log_ratio = (logprobs - old_logprobs).detach()
         stats = {"policy/loss": float(policy_loss.detach()),
                  "policy/clipfrac": token_share(clipped.float()),
                  "policy/approx_kl": token_share(0.5 * log_ratio ** 2),
@@ -300,6 +311,8 @@ class RLHFModule(L.LightningModule):
             kl_loss = aggregate(kl_tokens)
             loss = loss + algo.kl_coef * kl_loss
             stats["policy/kl_loss"] = float(kl_loss.detach())
+            if mb.kl is None:  # the rollout skipped the policy forward: report the KL seen here
+                stats["objective/kl"] = float(losses.masked_sum(kl_tokens.detach(), mask) / totals["sequences"])
         entropy = losses.entropy_from_logits(logits if algo.entropy_coef else logits.detach(), self.sampling.temperature)
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * aggregate(entropy)

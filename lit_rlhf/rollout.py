@@ -49,9 +49,23 @@ def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Ten
 
 @torch.no_grad()
 def generate(
-    policy: nn.Module, prompts: PromptBatch, group_size: int, sampling: SamplingConfig, eos_token_id: int, pad_token_id: int
+    policy: nn.Module,
+    prompts: PromptBatch,
+    group_size: int,
+    sampling: SamplingConfig,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
 ) -> Generation:
-    """Sample `group_size` responses per prompt with Hugging Face `generate` (KV cache, stops at EOS)."""
+    """Sample `group_size` responses per prompt (KV cache, stops at EOS).
+
+    `sampling.backend` 'lean' runs `lit_rlhf.sampling.lean_generate` (it alone uses `generator`; None: the
+    global RNG); 'generate' runs Hugging Face `generate` (global RNG).
+    """
+    if sampling.backend == "lean":
+        from lit_rlhf.sampling import lean_generate
+
+        return lean_generate(policy, prompts, group_size, sampling, eos_token_id, pad_token_id, generator)
     from transformers import GenerationConfig
 
     prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
@@ -88,16 +102,19 @@ def evaluate_logprobs(
     response_ids: Tensor,
     temperature: float,
     full_kl: bool,
+    policy_forward: bool = True,
 ) -> dict[str, Tensor | None]:
-    """Old log-probs, values and reference log-probs (B, T); the exact KL (B, T) when `full_kl`."""
+    """Old log-probs, values and reference log-probs (B, T); the exact KL (B, T) when `full_kl`.
+
+    With `policy_forward` False the policy is not run: the update's own first forward supplies the old
+    log-probs (valid only for a single pass over the rollout without a critic).
+    """
     T = response_ids.shape[1]
-    logits, values = actor_critic(input_ids, attention_mask, T)
-    out: dict[str, Tensor | None] = {
-        "old_logprobs": losses.logprobs_from_logits(logits, response_ids, temperature),
-        "values": values,
-        "ref_logprobs": None,
-        "full_kl": None,
-    }
+    out: dict[str, Tensor | None] = {"old_logprobs": None, "values": None, "ref_logprobs": None, "full_kl": None}
+    logits = None
+    if policy_forward or full_kl:
+        logits, out["values"] = actor_critic(input_ids, attention_mask, T)
+        out["old_logprobs"] = losses.logprobs_from_logits(logits, response_ids, temperature)
     if reference is not None:
         ref_logits, _ = causal_lm_response_forward(reference, input_ids, attention_mask, T)
         out["ref_logprobs"] = losses.logprobs_from_logits(ref_logits, response_ids, temperature)
@@ -170,10 +187,10 @@ def collect_experience(
     start = time.perf_counter()
     evaluated = evaluate_logprobs(
         actor_critic, reference, input_ids, attention_mask, gen.response_ids, sampling.temperature,
-        full_kl=algo.kl_estimator == "full",
+        full_kl=algo.kl_estimator == "full", policy_forward=algo.needs_old_logprobs,
     )
     kl = None
-    if evaluated["ref_logprobs"] is not None:
+    if evaluated["ref_logprobs"] is not None and evaluated["old_logprobs"] is not None:
         if algo.kl_estimator == "full":
             kl = evaluated["full_kl"]
         else:

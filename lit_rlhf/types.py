@@ -41,7 +41,7 @@ class Experience:
     response_ids: Tensor  # (B, T) long, right padded
     response_mask: Tensor  # (B, T) bool: first response token up to and including the first EOS
     loss_mask: Tensor  # (B, T) bool: response_mask, less truncated responses when they are masked
-    old_logprobs: Tensor  # (B, T) float32, policy at sampling time
+    old_logprobs: Tensor | None  # (B, T) float32, policy at sampling time; None: taken from the update's forward
     advantages: Tensor  # (B, T) float32
     scores: Tensor  # (B,) float32, sequence scores after truncation handling
     truncated: Tensor  # (B,) bool, no EOS within max_new_tokens

@@ -1,0 +1,168 @@
+"""A lean sampling loop with a KV cache: the 'lean' rollout backend.
+
+It does what Hugging Face `generate(do_sample=True)` does for one causal LM and nothing else: one prefill
+forward over the left-padded prompts, then one forward per new token through the model's KV cache, with
+explicit position ids (prefill: cumulative sum of the attention mask minus one, clamped at 0; then +1 per
+step for every sequence), temperature, top-k and top-p applied to float32 logits in that order (as
+`generate` orders them), `torch.multinomial` on the softmax, pad after a sequence's EOS, and a stop as soon
+as every sequence has emitted EOS. With the same global seed and the same settings it draws the same tokens
+as `generate`; pass a `torch.Generator` to make it reproducible without touching the global RNG.
+
+The loop skips `generate`'s per-step machinery (logits-processor and stopping-criteria lists,
+`prepare_inputs_for_generation`, growing `input_ids` with `torch.cat`), which is most of the cost of a
+small model's decode step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def mask_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Set to -inf the logits outside the top-k tokens, then outside the top-p nucleus: (B, V) -> (B, V).
+
+    top_k: keep the k largest logits (ties with the k-th are kept). 0 turns it off.
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p (the token that
+        crosses top_p is kept; the most likely token always is). 1.0 turns it off.
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_index = torch.sort(logits, dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # ascending: mass of this token and all below
+        remove_sorted = cumulative <= (1.0 - top_p)
+        remove_sorted[..., -1] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, sorted_index, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+@dataclass
+class SampleOutput:
+    """Raw output of `sample`; T <= max_new_tokens is the number of decode steps that ran."""
+
+    response_ids: Tensor  # (B, T) long, pad after the first EOS
+    logprobs: Tensor | None  # (B, T) float32: log softmax(logits / temperature)[token], no top-k/top-p; None unless asked
+
+
+def _cache_argument(model: nn.Module) -> str:
+    """The forward keyword for the KV cache: 'cache' (transformers >= 5.2x) or 'past_key_values'."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def _returned_cache(output: Any) -> Any:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
+) -> SampleOutput:
+    """Sample up to `max_new_tokens` tokens after each left-padded prompt.
+
+    input_ids, attention_mask (B, P) -> `SampleOutput` with response_ids (B, T). Stops early when every
+    sequence has emitted `eos_token_id`; after its EOS a sequence gets `pad_token_id`.
+    """
+    B, P = input_ids.shape
+    device = input_ids.device
+    cache_key = _cache_argument(model)
+    parameters = inspect.signature(model.forward).parameters
+    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+
+    # The full attention mask, preallocated: prompt mask, then 1 for every generated column (as `generate`).
+    full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
+    full_mask[:, :P] = attention_mask
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    step_positions = next_position + torch.arange(max_new_tokens, device=device)  # (B, max_new_tokens)
+
+    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
+    unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    alive_before = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)  # some sequence unfinished at step t
+    pad = torch.tensor(pad_token_id, dtype=torch.long, device=device)
+    # On an accelerator, asking "all finished?" synchronises with the host; do it every few steps there.
+    check_every = 1 if device.type == "cpu" else 8
+
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                **keep_last)
+    cache = _returned_cache(out)
+    steps = 0
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # (B, V)
+        if temperature != 1.0:
+            logits = logits / temperature
+        if return_logprobs:
+            raw_logits = logits
+        logits = mask_logits(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+        next_tokens = torch.where(unfinished, next_tokens, pad)
+        tokens[:, t] = next_tokens
+        if return_logprobs:
+            picked = raw_logits.gather(-1, next_tokens[:, None]).squeeze(-1)
+            logprobs[:, t] = picked - torch.logsumexp(raw_logits, dim=-1)
+        alive_before[t] = unfinished.any()
+        unfinished = unfinished & (next_tokens != eos_token_id)
+        steps = t + 1
+        if t + 1 == max_new_tokens:
+            break
+        if (t + 1) % check_every == 0 and not bool(unfinished.any()):
+            break
+        out = model(
+            input_ids=next_tokens[:, None],
+            attention_mask=full_mask[:, : P + t + 1],
+            position_ids=step_positions[:, t : t + 1],
+            use_cache=True,
+            **{cache_key: cache},
+        )
+        cache = _returned_cache(out)
+    del out, cache
+    # With a deferred stop check some trailing steps may have run after every sequence had ended: drop them.
+    if check_every > 1:
+        steps = int(alive_before[:steps].nonzero().max()) + 1 if bool(alive_before[:steps].any()) else 0
+        steps = max(steps, 1)
+    response_ids = tokens[:, :steps]
+    return SampleOutput(response_ids, logprobs[:, :steps] if logprobs is not None else None)
+
+
+@torch.no_grad()
+def lean_generate(
+    policy: nn.Module,
+    prompts: Any,
+    group_size: int,
+    sampling: Any,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+):
+    """`rollout.generate` with the lean loop: `group_size` responses per prompt -> `rollout.Generation`."""
+    from lit_rlhf.rollout import Generation, response_mask_from_ids
+
+    prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
+    prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
+    out = sample(
+        policy, prompt_ids, prompt_mask, sampling.max_new_tokens, eos_token_id, pad_token_id,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, generator=generator,
+    )
+    response_mask, truncated = response_mask_from_ids(out.response_ids, eos_token_id)
+    response_ids = torch.where(response_mask, out.response_ids, torch.full_like(out.response_ids, pad_token_id))
+    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated)
