@@ -40,8 +40,8 @@ def builtin_tokenizer(task: str = "digits"):
     return tokenizer
 
 
-def builtin_policy(task: str = "digits", n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
-    """A from-scratch GPT-2 small enough for a CPU (about 100k parameters), no dropout."""
+def builtin_policy(task: str = "digits", n_layer: int = 2, n_embd: int = 128, n_head: int = 4):
+    """A from-scratch GPT-2 small enough for a CPU (about 400k parameters), no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = builtin_tokenizer(task)
@@ -83,3 +83,13 @@ def sort_digits_score(prompt: str, response: str) -> float:
 def sort_digits_reward(prompts: Sequence[str], responses: Sequence[str], **meta: Any) -> list[float]:
     """Reward function for the built-in task: one partial-credit score per (prompt, response)."""
     return [sort_digits_score(p, r) for p, r in zip(prompts, responses)]
+
+
+def builtin_reward_model(task: str = "digits", n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
+    """A from-scratch GPT-2 sequence classifier with one output, on the config of `builtin_policy` (same
+    vocabulary and special ids, pad_token_id set), to train as a reward model with `lit_rlhf.reward_training`."""
+    from transformers import GPT2ForSequenceClassification
+
+    config = builtin_policy(task, n_layer=n_layer, n_embd=n_embd, n_head=n_head).config
+    config.num_labels = 1
+    return GPT2ForSequenceClassification(config)

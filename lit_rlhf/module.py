@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import time
 import warnings
-from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 import lightning as L
@@ -26,6 +26,7 @@ from lit_rlhf.models import (
     disable_dropout,
     freeze,
     frozen_copy,
+    is_builtin,
     load_causal_lm,
     load_tokenizer,
 )
@@ -67,6 +68,7 @@ class RLHFModule(L.LightningModule):
         gradient_checkpointing: recompute activations in backward to save memory.
         log_samples_every_n_steps: write prompt/response samples to TensorBoard this often (0: never).
         trust_remote_code: allow model code from the model folder (off unless you trust it).
+        max_consecutive_skips: stop after this many optimizer steps in a row skipped for non-finite values.
     """
 
     def __init__(
@@ -91,9 +93,14 @@ class RLHFModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         log_samples_every_n_steps: int = 50,
         trust_remote_code: bool = False,
+        max_consecutive_skips: int = 3,
     ):
         super().__init__()
         self.automatic_optimization = False
+        if isinstance(algorithm, dict):  # as stored in a (weights-only loadable) checkpoint
+            algorithm = AlgorithmConfig(**algorithm)
+        if isinstance(sampling, dict):
+            sampling = SamplingConfig(**sampling)
         self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
         self.sampling = sampling if sampling is not None else SamplingConfig()
         if lr <= 0:
@@ -133,6 +140,10 @@ class RLHFModule(L.LightningModule):
         self.reward_model: SequenceRewardModel | None = None
         self.policy_version = 0  # optimizer updates applied so far
         self.skipped_updates = 0
+        self.consecutive_skips = 0
+        if max_consecutive_skips < 1:
+            raise ConfigError(f"model.max_consecutive_skips: must be >= 1, got {max_consecutive_skips}")
+        self.max_consecutive_skips = max_consecutive_skips
         self._update_generator = torch.Generator().manual_seed(0)
         self.last_update_stats: list[dict[str, float]] = []  # per minibatch, for inspection and tests
         if not isinstance(policy, str):  # an instance: build now so the user can inspect it
@@ -161,6 +172,69 @@ class RLHFModule(L.LightningModule):
                 disable_dropout(self.reference)
         if specs["reward_model"] is not None:
             self.reward_model = build_reward_model(specs["reward_model"], specs["reward_tokenizer"], self.trust_remote_code)
+
+    def rebuildable_prefixes(self) -> list[str]:
+        """State-dict prefixes of frozen models that `configure_model` reloads from their source, so
+        checkpoints need not carry them: a reference or reward model named by a folder or hub id."""
+        specs, prefixes = self._specs, []
+        policy_is_named = isinstance(specs["policy"], str) and not is_builtin(specs["policy"])
+        reference_spec = specs["reference"]
+        if self.reference is not None and (
+            (reference_spec is None and policy_is_named)
+            or (isinstance(reference_spec, str) and not is_builtin(reference_spec))
+        ):
+            prefixes.append("reference.")
+        if self.reward_model is not None and isinstance(specs["reward_model"], str):
+            prefixes.append("reward_model.")
+        return prefixes
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Drop rebuildable frozen weights; keep counters and RNG states for an exact resume."""
+        prefixes = tuple(self.rebuildable_prefixes())
+        if prefixes:
+            state = checkpoint["state_dict"]
+            for key in [k for k in state if k.startswith(prefixes)]:
+                del state[key]
+        checkpoint["lit_rlhf"] = {
+            "policy_version": self.policy_version,
+            "skipped_updates": self.skipped_updates,
+            "consecutive_skips": self.consecutive_skips,
+            "update_generator": self._update_generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "rebuilt_prefixes": list(prefixes),
+        }
+        if self._trainer is not None and self.trainer.world_size > 1:
+            # ranks sample different amounts, so their RNG streams differ: keep every rank's (this hook runs
+            # on all ranks; the file is written by rank 0)
+            states = self.trainer.strategy.all_gather(torch.get_rng_state().to(self.device))
+            checkpoint["lit_rlhf"]["torch_rng_per_rank"] = [s.cpu() for s in states]
+        # dataclass settings as plain dicts, so the file loads with torch.load(weights_only=True)
+        hparams = checkpoint.get("hyper_parameters")
+        if isinstance(hparams, dict):
+            checkpoint["hyper_parameters"] = {
+                k: dataclasses.asdict(v) if isinstance(v, (AlgorithmConfig, SamplingConfig)) else v
+                for k, v in hparams.items()
+            }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Put back the frozen weights rebuilt from source, and the counters and RNG states."""
+        extra = checkpoint.get("lit_rlhf")
+        if extra is None:
+            return
+        prefixes = tuple(extra.get("rebuilt_prefixes", []))
+        if prefixes:
+            own = self.state_dict()
+            checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith(prefixes)})
+        self.policy_version = extra["policy_version"]
+        self.skipped_updates = extra["skipped_updates"]
+        self.consecutive_skips = extra["consecutive_skips"]
+        self._update_generator.set_state(extra["update_generator"])
+        per_rank = extra.get("torch_rng_per_rank")
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+        torch.set_rng_state(per_rank[rank] if per_rank is not None and len(per_rank) == world else extra["torch_rng"])
+        if extra.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["cuda_rng"])
 
     def frozen_modules(self) -> list[nn.Module]:
         return [m for m in (self.reference, self.reward_model) if m is not None]
@@ -266,7 +340,7 @@ class RLHFModule(L.LightningModule):
                         self.manual_backward(loss)
                     for key, value in micro_stats.items():
                         stats[key] = stats.get(key, 0.0) + value
-                stats["optim/grad_norm"] = self.optimizer_step(optimizer, scheduler)
+                stats["optim/grad_norm"] = self.optimizer_step(optimizer, scheduler, stats)
                 self.last_update_stats.append(stats)
         return {key: sum(s[key] for s in self.last_update_stats) / len(self.last_update_stats)
                 for key in self.last_update_stats[0]}
@@ -328,16 +402,31 @@ class RLHFModule(L.LightningModule):
             return losses.full_kl_from_logits(logits, ref_logits, self.sampling.temperature)
         return losses.kl_from_logprobs(logprobs, mb.ref_logprobs, self.algorithm.kl_estimator)
 
-    def optimizer_step(self, optimizer, scheduler) -> float:
-        """Clip, step (unless the gradient is not finite), zero; returns the pre-clip gradient norm."""
+    def optimizer_step(self, optimizer, scheduler, stats: dict[str, float]) -> float:
+        """Clip, step, zero; returns the pre-clip gradient norm.
+
+        A non-finite loss or gradient norm skips the step (weights unchanged, counted); after
+        `max_consecutive_skips` skips in a row training stops with an error naming what went non-finite.
+        """
         grads = [p.grad for p in self.trainable_parameters() if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) if grads \
             else torch.zeros(())
         norm_value = float(norm)
+        bad = {k: v for k, v in stats.items() if k.endswith("loss") and not math.isfinite(v)}
         if not math.isfinite(norm_value):
-            self.skipped_updates += 1
+            bad["optim/grad_norm"] = norm_value
+        if bad:
             optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= self.max_consecutive_skips:
+                raise FloatingPointError(
+                    f"{self.consecutive_skips} optimizer steps in a row were skipped because values went "
+                    f"non-finite; last: {bad} at global step {self.global_step} (policy version "
+                    f"{self.policy_version}). Lower the learning rate, check the reward scale, or use bf16/fp32."
+                )
             return norm_value
+        self.consecutive_skips = 0
         if self.algorithm.max_grad_norm is not None:
             self.clip_gradients(optimizer, gradient_clip_val=self.algorithm.max_grad_norm,
                                 gradient_clip_algorithm="norm")

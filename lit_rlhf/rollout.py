@@ -88,9 +88,14 @@ def generate(
 
 
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:
-    """Response texts without special tokens (EOS and padding dropped)."""
-    rows = [ids[mask].tolist() for ids, mask in zip(response_ids.cpu(), response_mask.cpu())]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+    """Response texts up to (not including) the first EOS.
+
+    Other special tokens the policy produced stay in the text, so a reward function sees exactly what was
+    generated (skipping them would let a policy pad its answer with invisible tokens).
+    """
+    keep = response_mask & (response_ids != tokenizer.eos_token_id)
+    rows = [ids[k].tolist() for ids, k in zip(response_ids.cpu(), keep.cpu())]
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)
 
 
 @torch.no_grad()

@@ -1,0 +1,82 @@
+"""Shared fixtures for the integration tests: the built-in char tokenizer, tiny GPT-2 policies, seeds,
+and a quiet CPU Trainer factory. Everything is CPU, single-threaded and seeded."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+
+def pytest_configure(config):
+    # Lightning's notes about the experimental `dataloader_iter` signature and the eval-mode frozen modules
+    # are expected in every fit; keep the output readable.
+    for pattern in (".*dataloader_iter.*", ".*module\\(s\\) in eval mode.*", ".*LeafSpec.*"):
+        config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
+
+PAD_ID, EOS_ID = 0, 1  # the built-in tokenizer's special ids (checked by the `tokenizer` fixture)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture
+def tokenizer():
+    from lit_rlhf.builtin import builtin_tokenizer
+
+    tok = builtin_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD_ID, EOS_ID)
+    return tok
+
+
+def make_policy(seed: int = 0, n_layer: int = 1, n_embd: int = 32, n_head: int = 2):
+    """A fresh, seeded, from-scratch GPT-2 over the built-in vocabulary."""
+    from lit_rlhf.builtin import builtin_policy
+
+    torch.manual_seed(seed)
+    return builtin_policy(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
+
+
+@pytest.fixture
+def tiny_policy():
+    return make_policy()
+
+
+def make_trainer(max_steps: int, **kwargs):
+    import lightning as L
+
+    return L.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def prompt_batch(tok, texts: list[str], meta: dict | None = None):
+    """Left-padded PromptBatch built straight from the tokenizer (not through the DataModule)."""
+    from lit_rlhf.types import PromptBatch
+
+    tok.padding_side = "left"
+    enc = tok(texts, padding=True, return_tensors="pt")
+    return PromptBatch(enc["input_ids"], enc["attention_mask"], list(texts), dict(meta or {}))
+
+
+def checksum(module: torch.nn.Module) -> str:
+    """Exact fingerprint of every parameter's bytes."""
+    h = hashlib.sha1()
+    for name, p in sorted(module.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
