@@ -66,9 +66,13 @@ class RLHFModule(L.LightningModule):
         warmup_steps, lr_schedule: linear warm-up, then 'constant', 'linear' or 'cosine' decay to max_steps.
         separate_critic: the value head gets its own copy of the backbone instead of sharing the policy's.
         gradient_checkpointing: recompute activations in backward to save memory.
-        log_samples_every_n_steps: write prompt/response samples to TensorBoard this often (0: never).
+        log_samples_every_n_steps: write prompt/response samples to TensorBoard every this many rollouts
+            (0: never).
         trust_remote_code: allow model code from the model folder (off unless you trust it).
         max_consecutive_skips: stop after this many optimizer steps in a row skipped for non-finite values.
+        lora: LoRA adapters on the policy (needs `peft`), e.g. {r: 8, alpha: 16, target_modules: all-linear};
+            only the adapters (and the value head) train, and without an explicit `reference` the reference is
+            the same weights with the adapters disabled (no second copy). None: full fine-tuning.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class RLHFModule(L.LightningModule):
         log_samples_every_n_steps: int = 50,
         trust_remote_code: bool = False,
         max_consecutive_skips: int = 3,
+        lora: dict[str, Any] | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -139,11 +144,18 @@ class RLHFModule(L.LightningModule):
         self.reference: nn.Module | None = None
         self.reward_model: SequenceRewardModel | None = None
         self.policy_version = 0  # optimizer updates applied so far
+        self.rollouts_done = 0  # training steps (rollouts) consumed so far
         self.skipped_updates = 0
         self.consecutive_skips = 0
         if max_consecutive_skips < 1:
             raise ConfigError(f"model.max_consecutive_skips: must be >= 1, got {max_consecutive_skips}")
         self.max_consecutive_skips = max_consecutive_skips
+        if lora is not None:
+            from lit_rlhf.lora import lora_config
+
+            lora_config(lora)  # fail on bad LoRA settings before any model is loaded
+        self.lora = lora
+        self._rng_restored_per_rank = False  # set when a checkpoint gave this rank its own RNG state
         self._update_generator = torch.Generator().manual_seed(0)
         self.last_update_stats: list[dict[str, float]] = []  # per minibatch, for inspection and tests
         if not isinstance(policy, str):  # an instance: build now so the user can inspect it
@@ -160,12 +172,20 @@ class RLHFModule(L.LightningModule):
         disable_dropout(policy)
         if self.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
+        if self.lora is not None:
+            from lit_rlhf.lora import apply_lora
+
+            policy = apply_lora(policy, self.lora)
         critic_backbone = None
         if algo.uses_critic and self.separate_critic:
             critic_backbone = copy.deepcopy(policy)
         self.actor_critic = ActorCritic(policy, value_head=algo.uses_critic, critic_backbone=critic_backbone)
         if algo.uses_reference:
-            if specs["reference"] is None:
+            if specs["reference"] is None and self.lora is not None:
+                from lit_rlhf.lora import AdapterDisabledReference
+
+                self.reference = AdapterDisabledReference(policy)
+            elif specs["reference"] is None:
                 self.reference = frozen_copy(policy)
             else:
                 self.reference = freeze(load_causal_lm(specs["reference"], "model.reference", self.trust_remote_code))
@@ -197,6 +217,7 @@ class RLHFModule(L.LightningModule):
                 del state[key]
         checkpoint["lit_rlhf"] = {
             "policy_version": self.policy_version,
+            "rollouts_done": self.rollouts_done,
             "skipped_updates": self.skipped_updates,
             "consecutive_skips": self.consecutive_skips,
             "update_generator": self._update_generator.get_state(),
@@ -207,8 +228,12 @@ class RLHFModule(L.LightningModule):
         if self._trainer is not None and self.trainer.world_size > 1:
             # ranks sample different amounts, so their RNG streams differ: keep every rank's (this hook runs
             # on all ranks; the file is written by rank 0)
-            states = self.trainer.strategy.all_gather(torch.get_rng_state().to(self.device))
-            checkpoint["lit_rlhf"]["torch_rng_per_rank"] = [s.cpu() for s in states]
+            gather = self.trainer.strategy.all_gather
+            states = gather(torch.get_rng_state().to(self.device))
+            checkpoint["lit_rlhf"]["torch_rng_per_rank"] = [s.cpu().clone() for s in states]  # own storage
+            if self.device.type == "cuda":
+                states = gather(torch.cuda.get_rng_state(self.device).to(self.device))
+                checkpoint["lit_rlhf"]["cuda_rng_per_rank"] = [s.cpu().clone() for s in states]
         # dataclass settings as plain dicts, so the file loads with torch.load(weights_only=True)
         hparams = checkpoint.get("hyper_parameters")
         if isinstance(hparams, dict):
@@ -227,14 +252,26 @@ class RLHFModule(L.LightningModule):
             own = self.state_dict()
             checkpoint["state_dict"].update({k: v for k, v in own.items() if k.startswith(prefixes)})
         self.policy_version = extra["policy_version"]
+        self.rollouts_done = extra.get("rollouts_done", 0)
         self.skipped_updates = extra["skipped_updates"]
         self.consecutive_skips = extra["consecutive_skips"]
         self._update_generator.set_state(extra["update_generator"])
         per_rank = extra.get("torch_rng_per_rank")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
-        torch.set_rng_state(per_rank[rank] if per_rank is not None and len(per_rank) == world else extra["torch_rng"])
+        state = per_rank[rank] if per_rank is not None and len(per_rank) == world else extra["torch_rng"]
+        torch.set_rng_state(state.clone())  # a view with a storage offset crashes set_rng_state
+        self._rng_restored_per_rank = per_rank is not None and len(per_rank) == world
         if extra.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        cuda_per_rank = extra.get("cuda_rng_per_rank")
+        if cuda_per_rank is not None and len(cuda_per_rank) == world and self.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_per_rank[rank].clone(), self.device)
+
+    def on_fit_start(self) -> None:
+        """Every rank was seeded alike (same initial weights); give each rank its own sampling stream, so the
+        ranks do not draw the same noise for their different prompts. A resume restores each rank's own stream."""
+        if self.trainer.world_size > 1 and not self._rng_restored_per_rank:
+            torch.manual_seed((torch.initial_seed() + self.trainer.global_rank) % 2**63)
 
     def frozen_modules(self) -> list[nn.Module]:
         return [m for m in (self.reference, self.reward_model) if m is not None]
@@ -295,6 +332,7 @@ class RLHFModule(L.LightningModule):
         if isinstance(batch, PromptBatch):
             batch = self.make_rollout(batch)
         experience, timings = batch
+        self.rollouts_done += 1
         rollout_s = time.perf_counter() - start
         self.on_experience(experience)
 
@@ -439,22 +477,18 @@ class RLHFModule(L.LightningModule):
     # ------------------------------------------------------------------ logging
 
     def log_samples(self, exp: Experience, count: int = 4) -> None:
+        """Every `log_samples_every_n_steps` rollouts (the first included), a table of prompts, responses
+        and scores to TensorBoard, one row from each of `count` different prompts."""
         every = self.log_samples_every_n_steps
-        if not every or self.trainer is None or self.global_rank != 0:
-            return
-        step = self.policy_version
-        if (step // max(1, self._updates_per_rollout())) % every != 1 % every:
+        if not every or self.trainer is None or self.global_rank != 0 or (self.rollouts_done - 1) % every:
             return
         experiment = getattr(self.logger, "experiment", None) if self.logger is not None else None
         if experiment is None or not hasattr(experiment, "add_text"):
             return
         lines = ["| prompt | response | score |", "|---|---|---|"]
-        for i in range(min(count, exp.batch_size)):
+        for i in list(range(0, exp.batch_size, self.algorithm.group_size))[:count]:
             lines.append(f"| `{exp.prompts[i]}` | `{exp.responses[i]}` | {float(exp.scores[i]):.3f} |")
         experiment.add_text("samples", "\n".join(lines), global_step=self.global_step)
-
-    def _updates_per_rollout(self) -> int:
-        return self.algorithm.ppo_epochs * self.algorithm.num_minibatches
 
 
 def build_reward_model(spec: Any, tokenizer_spec: Any, trust_remote_code: bool) -> SequenceRewardModel:
