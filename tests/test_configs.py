@@ -42,6 +42,7 @@ def test_config_runs_one_rollout(path, tmp_path, monkeypatch):
     if reason:
         pytest.skip(reason)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the CLI reads only `args`, not pytest's own arguments
     train = _load_train()
     cli = train.main([
         "fit", "--config", str(path),
