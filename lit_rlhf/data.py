@@ -41,6 +41,9 @@ def read_prompt_file(path: str, prompt_column: str = "prompt") -> list[dict[str,
                         f"data.prompts: {path}:{line_number} has no field {prompt_column!r}; "
                         "every line needs it (or set data.prompt_column)"
                     )
+                if not isinstance(row[prompt_column], str):
+                    raise ConfigError(f"data.prompts: {path}:{line_number}: field {prompt_column!r} must be a string, "
+                                      f"got {type(row[prompt_column]).__name__}")
                 rows.append(row)
             else:
                 rows.append({prompt_column: line.rstrip("\n")})

@@ -25,13 +25,25 @@ def is_builtin(spec: Any) -> bool:
     return isinstance(spec, str) and spec.startswith(BUILTIN_PREFIX)
 
 
-def _check_local_path(spec: str, field: str) -> None:
-    """A spec that looks like a filesystem path must exist (hub ids like 'org/name' pass through)."""
+def _check_local_path(spec: str, field: str, needs: tuple[str, ...] = ()) -> None:
+    """A spec that looks like a filesystem path must exist (hub ids like 'org/name' pass through); an existing
+    folder must hold one of the files in `needs`."""
     looks_local = spec.startswith((".", "/", "~")) or os.sep + os.sep in spec or spec.endswith(os.sep)
     if looks_local and not os.path.exists(os.path.expanduser(spec)):
         raise ConfigError(
             f"{field}: the folder {spec!r} does not exist; give a local checkpoint folder or a model name"
         )
+    folder = os.path.expanduser(spec)
+    if needs and os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, n)) for n in needs):
+        raise ConfigError(
+            f"{field}: the folder {spec!r} holds none of {', '.join(needs)}; is it a folder written by "
+            "save_pretrained?"
+        )
+
+
+MODEL_FILES = ("config.json", "adapter_config.json")  # a full model, or a PEFT adapter on a named base
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model")
 
 
 def load_tokenizer(spec: Any, field: str = "tokenizer", trust_remote_code: bool = False):
@@ -43,7 +55,7 @@ def load_tokenizer(spec: Any, field: str = "tokenizer", trust_remote_code: bool 
 
         tokenizer = builtin_tokenizer(spec[len(BUILTIN_PREFIX) :])
     elif isinstance(spec, str):
-        _check_local_path(spec, field)
+        _check_local_path(spec, field, TOKENIZER_FILES)
         tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
     else:
         tokenizer = spec
@@ -76,10 +88,16 @@ def load_causal_lm(spec: Any, field: str = "policy", trust_remote_code: bool = F
 
         return builtin_policy(spec[len(BUILTIN_PREFIX) :])
     if isinstance(spec, str):
-        _check_local_path(spec, field)
+        _check_local_path(spec, field, MODEL_FILES)
         return AutoModelForCausalLM.from_pretrained(spec, trust_remote_code=trust_remote_code, **kwargs)
     if not isinstance(spec, nn.Module):
         raise ConfigError(f"{field}: expected a model name, a folder or a transformers model, got {type(spec)!r}")
+    head = getattr(spec, "get_output_embeddings", None)
+    if head is None or head() is None:
+        raise ConfigError(
+            f"{field}: {type(spec).__name__} has no language-model head (get_output_embeddings() gives None); "
+            "give a causal LM, e.g. AutoModelForCausalLM.from_pretrained(...)"
+        )
     return spec
 
 
@@ -108,6 +126,10 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def _accepts(model: nn.Module, argument: str) -> bool:
+    """Whether `model.forward` takes `argument`; a peft wrapper passes its **kwargs to the base model."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base):
+        model = get_base()
     return argument in inspect.signature(model.forward).parameters
 
 

@@ -169,6 +169,12 @@ class RLHFModule(L.LightningModule):
             return
         algo, specs = self.algorithm, self._specs
         policy = load_causal_lm(specs["policy"], "model.policy", self.trust_remote_code)
+        rows = getattr(getattr(policy, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
+        if rows is not None and len(self.tokenizer) > rows:  # token ids past the table fail deep in a forward
+            raise ConfigError(
+                f"model.tokenizer: {len(self.tokenizer)} tokens, but model.policy embeds only {rows}; "
+                "use the policy's own tokenizer (or resize the policy's token embeddings)"
+            )
         disable_dropout(policy)
         if self.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -192,6 +198,9 @@ class RLHFModule(L.LightningModule):
                 disable_dropout(self.reference)
         if specs["reward_model"] is not None:
             self.reward_model = build_reward_model(specs["reward_model"], specs["reward_tokenizer"], self.trust_remote_code)
+            from lit_rlhf.rewards import check_shared_tokenizer
+
+            check_shared_tokenizer(self.reward_model, self.tokenizer, specs["reward_model"])
 
     def rebuildable_prefixes(self) -> list[str]:
         """State-dict prefixes of frozen models that `configure_model` reloads from their source, so
@@ -228,11 +237,11 @@ class RLHFModule(L.LightningModule):
         if self._trainer is not None and self.trainer.world_size > 1:
             # ranks sample different amounts, so their RNG streams differ: keep every rank's (this hook runs
             # on all ranks; the file is written by rank 0)
-            gather = self.trainer.strategy.all_gather
-            states = gather(torch.get_rng_state().to(self.device))
+            gather, device = self.trainer.strategy.all_gather, self.trainer.strategy.root_device
+            states = gather(torch.get_rng_state().to(device))
             checkpoint["lit_rlhf"]["torch_rng_per_rank"] = [s.cpu().clone() for s in states]  # own storage
-            if self.device.type == "cuda":
-                states = gather(torch.cuda.get_rng_state(self.device).to(self.device))
+            if device.type == "cuda":
+                states = gather(torch.cuda.get_rng_state(device).to(device))
                 checkpoint["lit_rlhf"]["cuda_rng_per_rank"] = [s.cpu().clone() for s in states]
         # dataclass settings as plain dicts, so the file loads with torch.load(weights_only=True)
         hparams = checkpoint.get("hyper_parameters")
@@ -264,8 +273,9 @@ class RLHFModule(L.LightningModule):
         if extra.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(extra["cuda_rng"])
         cuda_per_rank = extra.get("cuda_rng_per_rank")
-        if cuda_per_rank is not None and len(cuda_per_rank) == world and self.device.type == "cuda":
-            torch.cuda.set_rng_state(cuda_per_rank[rank].clone(), self.device)
+        device = self.trainer.strategy.root_device if self._trainer is not None else self.device  # not moved yet
+        if cuda_per_rank is not None and len(cuda_per_rank) == world and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_per_rank[rank].clone(), device)
 
     def on_fit_start(self) -> None:
         """Every rank was seeded alike (same initial weights); give each rank its own sampling stream, so the
@@ -349,7 +359,7 @@ class RLHFModule(L.LightningModule):
                         "optim/lr": self.optimizers().param_groups[0]["lr"],
                         "optim/skipped_updates": float(self.skipped_updates)})
         self.log_dict(metrics, on_step=True, sync_dist=True, batch_size=experience.batch_size)
-        self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False,
+        self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, sync_dist=True,
                  batch_size=experience.batch_size)
         self.log_samples(experience)
 

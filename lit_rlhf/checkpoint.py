@@ -1,0 +1,132 @@
+"""Checkpoint files that survive a kill, and load weights-only.
+
+Lightning's `TorchCheckpointIO` writes through an fsspec transaction: the file is staged in the system temp
+folder and then moved onto the target. When that folder is on another filesystem than the checkpoints (a local
+/tmp and a network checkpoint folder, the usual cluster layout) the move is a copy *into the target*, so a
+process killed during the copy leaves a truncated `last.ckpt`, and a killed save leaves its staged copy in /tmp.
+
+`AtomicCheckpointIO` writes next to the target (`<name>.tmp-<pid>`, not a `*.ckpt` name, so Lightning's search
+for `last.ckpt` never picks it up), fsyncs it, and `os.replace`s it onto the target: a reader sees the old
+complete file or the new complete file, never a partial one. Loading is weights-only (no pickled code runs)
+and a truncated or foreign file gets an error that names it.
+
+Use it with `Trainer(plugins=[AtomicCheckpointIO()])`, or in YAML:
+
+    trainer:
+      plugins:
+        - class_path: lit_rlhf.checkpoint.AtomicCheckpointIO
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from lit_rlhf.config import ConfigError
+
+# ModelCheckpoint warns under manual optimisation that the checkpoint holds the weights *after* the optimizer
+# step; for RLHF that is exactly the state to resume from (the step is complete, rollouts are regenerated).
+warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
+
+TMP_MARKER = ".tmp-"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file is missing, truncated, or not a checkpoint this package can load."""
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """`torch.save` to a temporary file beside `path`, fsync, then atomically replace `path`."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}{TMP_MARKER}{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            write_checkpoint(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:  # make the rename itself durable
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(obj: Any, handle) -> None:
+    """Serialise `obj` into an open binary file (a seam for tests that slow the write down)."""
+    torch.save(obj, handle)
+
+
+def load_checkpoint_file(path: str, map_location: Any = None, weights_only: bool = True) -> dict[str, Any]:
+    """`torch.load` with weights_only on by default, and errors that name the file and the likely cause."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if weights_only and "Weights only load failed" in str(err):
+            raise CheckpointError(
+                f"checkpoint {path}: holds Python objects that a weights-only load refuses to run "
+                f"({_line_with(err, 'Unsupported global')}). "
+                "Only load it with weights_only=False if you made it yourself or trust its source."
+            ) from err
+        raise CheckpointError(f"checkpoint {path}: not a readable torch checkpoint ({_first_line(err)})") from err
+    except MemoryError:
+        raise
+    except Exception as err:  # a cut zip archive, a text file, an old pickle: torch's errors vary
+        raise CheckpointError(
+            f"checkpoint {path}: truncated or not a torch checkpoint ({_first_line(err)}); was the process killed "
+            "while writing it? Resume from an earlier checkpoint."
+        ) from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _line_with(err: BaseException, words: str) -> str:
+    """The line of a long torch message that holds `words` (e.g. which global was refused), else its first."""
+    for line in str(err).splitlines():
+        if words in line:
+            return line.strip().removeprefix("WeightsUnpickler error:").strip()
+    return _first_line(err)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning `CheckpointIO`: atomic local writes (temp file + fsync + os.replace), weights-only loads.
+
+    Paths with a URL scheme (s3://, gs://, ...) fall back to Lightning's own writer.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        path = str(path)
+        if "://" in path and not path.startswith("file://"):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        atomic_torch_save(checkpoint, path.removeprefix("file://"))
+
+    def load_checkpoint(
+        self, path, map_location: Optional[Callable] = lambda storage, loc: storage, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        path = str(path)
+        if "://" in path and not path.startswith("file://"):
+            return super().load_checkpoint(path, map_location, True if weights_only is None else weights_only)
+        return load_checkpoint_file(path.removeprefix("file://"), map_location,
+                                    True if weights_only is None else weights_only)
