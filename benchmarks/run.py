@@ -382,7 +382,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         out.update({key: med(key) for key in ("other_in_rollout_s", "other_after_rollout_s")})
     out["tokens"] = med("tokens")
     out["gen_tokens_per_s"] = out["tokens"] / out["generate_s"] if out["generate_s"] else float("nan")
-    out["peak_rss_mb"] = result["peak_rss_mb"]
+    out["peak_rss_mb"] = result.get("peak_rss_mb", float("nan"))
     out["steps_measured"] = len(steps)
     return out
 
