@@ -22,31 +22,40 @@ from lit_rlhf.types import PromptBatch
 PROMPT_TRUNCATION = ("error", "left")
 
 
+def jsonl_objects(path: str, field: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of a JSONL file; errors name `field`, file and line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{field}: the file {path!r} does not exist")
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{field}: {path}:{line_number} is not valid JSON ({err})") from err
+            yield line_number, row
+
+
 def read_prompt_file(path: str, prompt_column: str = "prompt") -> list[dict[str, Any]]:
     """Rows from a .jsonl file (objects with `prompt_column`) or a text file (one prompt per line)."""
     if not os.path.isfile(path):
         raise ConfigError(f"data.prompts: the file {path!r} does not exist")
     rows: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"data.prompts: {path}:{line_number} is not valid JSON ({err})") from err
-                if not isinstance(row, dict) or prompt_column not in row:
-                    raise ConfigError(
-                        f"data.prompts: {path}:{line_number} has no field {prompt_column!r}; "
-                        "every line needs it (or set data.prompt_column)"
-                    )
-                if not isinstance(row[prompt_column], str):
-                    raise ConfigError(f"data.prompts: {path}:{line_number}: field {prompt_column!r} must be a string, "
-                                      f"got {type(row[prompt_column]).__name__}")
-                rows.append(row)
-            else:
-                rows.append({prompt_column: line.rstrip("\n")})
+    if path.endswith(".jsonl"):
+        for line_number, row in jsonl_objects(path, "data.prompts"):
+            if not isinstance(row, dict) or prompt_column not in row:
+                raise ConfigError(
+                    f"data.prompts: {path}:{line_number} has no field {prompt_column!r}; "
+                    "every line needs it (or set data.prompt_column)"
+                )
+            if not isinstance(row[prompt_column], str):
+                raise ConfigError(f"data.prompts: {path}:{line_number}: field {prompt_column!r} must be a string, "
+                                  f"got {type(row[prompt_column]).__name__}")
+            rows.append(row)
+    else:
+        with open(path, encoding="utf-8") as handle:
+            rows = [{prompt_column: line.rstrip("\n")} for line in handle if line.strip()]
     if not rows:
         raise ConfigError(f"data.prompts: the file {path!r} holds no prompts")
     return rows

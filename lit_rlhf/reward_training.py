@@ -15,7 +15,6 @@ score at the last response token, which is the EOS for a response that ended (DE
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -29,6 +28,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.data import jsonl_objects
 from lit_rlhf.losses import last_token_index
 from lit_rlhf.models import BUILTIN_PREFIX, _check_local_path, is_builtin, load_tokenizer
 from lit_rlhf.rewards import SequenceRewardModel
@@ -49,27 +49,20 @@ def read_preference_file(path: str, field: str = "data.train") -> list[dict[str,
     if not os.path.isfile(path):
         raise ConfigError(f"{field}: the preference file {path!r} does not exist")
     rows: list[dict[str, str]] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{field}: {path}:{line_number} is not valid JSON ({err})") from err
-            if not isinstance(row, dict):
-                raise ConfigError(f"{field}: {path}:{line_number} is not a JSON object with {PREFERENCE_FIELDS}")
-            for name in PREFERENCE_FIELDS:
-                if name not in row:
-                    raise ConfigError(
-                        f"{field}: {path}:{line_number} has no field {name!r}; every line needs "
-                        f"{', '.join(PREFERENCE_FIELDS)}"
-                    )
-                if not isinstance(row[name], str):
-                    raise ConfigError(
-                        f"{field}: {path}:{line_number} field {name!r} must be a string, got {type(row[name]).__name__}"
-                    )
-            rows.append({name: row[name] for name in PREFERENCE_FIELDS})
+    for line_number, row in jsonl_objects(path, field):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{field}: {path}:{line_number} is not a JSON object with {PREFERENCE_FIELDS}")
+        for name in PREFERENCE_FIELDS:
+            if name not in row:
+                raise ConfigError(
+                    f"{field}: {path}:{line_number} has no field {name!r}; every line needs "
+                    f"{', '.join(PREFERENCE_FIELDS)}"
+                )
+            if not isinstance(row[name], str):
+                raise ConfigError(
+                    f"{field}: {path}:{line_number} field {name!r} must be a string, got {type(row[name]).__name__}"
+                )
+        rows.append({name: row[name] for name in PREFERENCE_FIELDS})
     if not rows:
         raise ConfigError(f"{field}: the preference file {path!r} holds no pairs")
     return rows
