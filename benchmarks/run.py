@@ -199,7 +199,6 @@ def hand_loop(job: dict[str, Any]) -> dict[str, Any]:
 def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     """Our step through a real Trainer. `between()`, when given, runs after each of our steps, outside its timing."""
     import lightning as L
-    import torch
 
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 

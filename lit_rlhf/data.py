@@ -14,7 +14,6 @@ import warnings
 from typing import Any, Iterable, Iterator
 
 import lightning as L
-import torch
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.types import PromptBatch

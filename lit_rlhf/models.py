@@ -12,7 +12,6 @@ import os
 import warnings
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from lit_rlhf.config import ConfigError
