@@ -81,9 +81,9 @@ def worker(job: dict) -> dict:
         "trainable_parameters": sum(p.numel() for p in module.trainable_parameters()),
         "step_s": [round(t, 2) for t in step_times],
         "fit_s": round(total, 1),
-        **{key: round(float(trainer.callback_metrics[key]), 2) for key in
+        **{key: round(module.step_metrics[key], 2) for key in  # the last step's own values
            ("rollout/reward_mean", "time/generate_s", "time/score_s", "time/evaluate_s", "time/update_s")
-           if key in trainer.callback_metrics},
+           if key in module.step_metrics},
     }
 
 

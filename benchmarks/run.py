@@ -229,10 +229,12 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             now, cpu = time.perf_counter(), time.process_time()
-            row = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("time/")}
+            # this step's own values (the logger gets window means); a baseline from before `step_metrics`
+            # logged every step, so Lightning's callback metrics hold them there
+            metrics = getattr(pl_module, "step_metrics", None) or {k: float(v) for k, v in trainer.callback_metrics.items()}
+            row = {k: v for k, v in metrics.items() if k.startswith("time/")}
             row["step_s"], row["cpu_s"] = now - self.last, cpu - self.last_cpu
-            row["tokens"] = float(trainer.callback_metrics.get("rollout/response_len_mean", float("nan"))) * \
-                job["prompts"] * algorithm.group_size
+            row["tokens"] = metrics["rollout/response_len_mean"] * job["prompts"] * algorithm.group_size
             self.steps.append(row)
             if between is not None:
                 between()
@@ -349,11 +351,14 @@ def worker(job: dict[str, Any]) -> None:
     else:
         raise ValueError(kind)
     result.update({"peak_rss_mb": peak_rss_mb(), "start_rss_mb": baseline, "wall_s": time.perf_counter() - start})
+    if "lit_rlhf" in sys.modules:
+        result["lit_rlhf"] = os.path.dirname(sys.modules["lit_rlhf"].__file__)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def run_worker(job: dict[str, Any]) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    source = job.get("source") or ROOT  # where `lit_rlhf` is imported from: this tree or --baseline
+    env = dict(os.environ, PYTHONPATH=source + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS=str(job["threads"]), TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
@@ -415,6 +420,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per variant and round")
     parser.add_argument("--rounds", type=int, default=None, help="paired runs per variant (default 1)")
     parser.add_argument("--smollm2", default=None, help="a local SmolLM2-135M transformers folder for W3")
+    parser.add_argument("--baseline", default=None,
+                        help="a checkout of an earlier commit (git worktree add /tmp/before <commit>): W1 and W2 "
+                             "also run our variants with its lit_rlhf, as '<variant>@baseline', for before/after")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -452,7 +460,10 @@ def main() -> None:
             for _ in range(rounds):
                 print(f"  {workload}: hand vs {name} (alternating steps) ...", flush=True)
                 pairs.append(run_worker(dict(base, **(pair_extra or {}), kind="pair", name=f"{workload}/{name}",
-                                             hand=hand_job, ours=job)))
+                                             hand=hand_job, ours=job, source=job.get("source"))))
+                expected = job.get("source") or ROOT
+                if os.path.realpath(pairs[-1]["lit_rlhf"]) != os.path.realpath(os.path.join(expected, "lit_rlhf")):
+                    raise RuntimeError(f"{workload}/{name} imported lit_rlhf from {pairs[-1]['lit_rlhf']}, not {expected}")
             ours_s = summarise(merge([p["ours"] for p in pairs]))
             hand_s = summarise(merge([p["hand"] for p in pairs]))
             ours_s["ratio"], ours_s["cpu_ratio"] = ours_s["step_s"] / hand_s["step_s"], ours_s["cpu_s"] / hand_s["cpu_s"]
@@ -473,17 +484,30 @@ def main() -> None:
             rows.append(dict(summary[name], workload=workload, variant=name))
         print(table([r for r in rows if r["workload"] == workload]), flush=True)
 
+    def with_baseline(variants: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Each variant, then (with --baseline) the same job on the baseline's lit_rlhf."""
+        if not args.baseline:
+            return variants
+        source = os.path.abspath(args.baseline)
+        if not os.path.isfile(os.path.join(source, "lit_rlhf", "__init__.py")):
+            parser.error(f"--baseline {args.baseline}: no lit_rlhf/__init__.py there; give a checkout of this repository")
+        out: dict[str, dict[str, Any]] = {}
+        for name, job in variants.items():
+            out[name] = job
+            out[f"{name}@baseline"] = dict(job, source=source)
+        return out
+
     hand_base = dict(base, kind="hand", max_new_tokens=32, hand_prompts=8, hand_group=4)
     ours_base = dict(base, kind="ours", max_new_tokens=32)
     if "W1" in only:
         print("W1: GRPO, tiny GPT-2, 8 prompts x 4 samples x 32 tokens", flush=True)
         ours = dict(ours_base, prompts=8, algorithm=grpo, reward="fn")
-        compare("W1", dict(hand_base, reward="fn"),
-                {"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")})
+        compare("W1", dict(hand_base, reward="fn"), with_baseline(
+                {"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")}))
     if "W2" in only:
         print("W2: PPO (reward model, KL 0.05 with reference) vs the hand GRPO loop on the same tokens", flush=True)
         compare("W2", dict(hand_base, reward="model"),
-                {"ours-ppo": dict(ours_base, prompts=32, algorithm=ppo, reward="model")})
+                with_baseline({"ours-ppo": dict(ours_base, prompts=32, algorithm=ppo, reward="model")}))
     if "W3" in only:
         folder, why = smollm2_source(args.smollm2)
         if folder is None:

@@ -140,11 +140,29 @@ class AlgorithmConfig:
         return self.kl_coef > 0
 
     @property
-    def needs_old_logprobs(self) -> bool:
-        """Old log-probs need their own no-grad forward unless the update makes one pass with one
-        minibatch (its first forward then gives them, ratio exactly 1) and nothing else needs them first."""
-        single_pass = self.ppo_epochs == 1 and self.num_minibatches == 1
-        return not single_pass or self.uses_critic or (self.uses_reference and self.kl_in_reward)
+    def single_pass(self) -> bool:
+        """One epoch over one minibatch: the update's forward sees the policy that sampled the rollout."""
+        return self.ppo_epochs == 1 and self.num_minibatches == 1
+
+    @property
+    def advantages_need_policy(self) -> bool:
+        """The advantages depend on the policy's own forward: critic values (GAE) or the KL in the reward."""
+        return self.uses_critic or (self.uses_reference and self.kl_in_reward)
+
+    def policy_forward_in_rollout(self, rollout_batch_size: int) -> bool:
+        """Whether the rollout runs its own no-grad policy (and critic) forward.
+
+        Not with a single pass: the update's forward then gives the old log-probs (ratio exactly 1) and the
+        values, and the advantages are computed from that forward before its loss. When the advantages need
+        it, the forward must cover the whole rollout in one piece (advantage whitening spans the rollout, so
+        no micro-batches) and the KL must be a sampled-token estimator ('full' needs both full distributions).
+        """
+        if not self.single_pass:
+            return True
+        if not self.advantages_need_policy:
+            return False
+        one_piece = self.micro_batch_size is None or self.micro_batch_size >= rollout_batch_size
+        return not one_piece or (self.uses_reference and self.kl_estimator == "full")
 
     def check_batch(self, rollout_batch_size: int) -> None:
         """Raise if `rollout_batch_size` sequences do not split into minibatches and micro-batches."""

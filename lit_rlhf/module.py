@@ -31,7 +31,8 @@ from lit_rlhf.models import (
     load_tokenizer,
 )
 from lit_rlhf.rewards import RewardComposer, SequenceRewardModel, resolve_reward_fns
-from lit_rlhf.rollout import collect_experience
+from lit_rlhf.metrics import MetricWindow, rollout_metrics
+from lit_rlhf.rollout import collect_experience, with_advantages
 from lit_rlhf.types import Experience, PromptBatch, iterate_minibatches, split_rows
 
 # training_step(self, dataloader_iter) is how rollouts stay fresh (DESIGN §1); Lightning warns that the
@@ -158,6 +159,8 @@ class RLHFModule(L.LightningModule):
         self._rng_restored_per_rank = False  # set when a checkpoint gave this rank its own RNG state
         self._update_generator = torch.Generator().manual_seed(0)
         self.last_update_stats: list[dict[str, float]] = []  # per minibatch, for inspection and tests
+        self.step_metrics: dict[str, float] = {}  # the last training step's metrics, this rank's, unaveraged
+        self.metric_window = MetricWindow(last_value_keys=("optim/lr", "optim/skipped_updates"))
         if not isinstance(policy, str):  # an instance: build now so the user can inspect it
             self.configure_model()
 
@@ -346,8 +349,9 @@ class RLHFModule(L.LightningModule):
         rollout_s = time.perf_counter() - start
         self.on_experience(experience)
 
+        lr = self.optimizers().param_groups[0]["lr"]  # the rate this rollout's (first) update uses
         start = time.perf_counter()
-        update_stats = self.update(experience)
+        update_stats, experience = self.update(experience)
         update_s = time.perf_counter() - start
 
         metrics = rollout_metrics(experience, self.algorithm)
@@ -356,21 +360,50 @@ class RLHFModule(L.LightningModule):
         tokens = float(experience.response_mask.sum())
         metrics.update({"time/rollout_s": rollout_s, "time/update_s": update_s,
                         "perf/tokens_per_s": tokens / max(rollout_s + update_s, 1e-9),
-                        "optim/lr": self.optimizers().param_groups[0]["lr"],
+                        "optim/lr": lr,
                         "optim/skipped_updates": float(self.skipped_updates)})
-        self.log_dict(metrics, on_step=True, sync_dist=True, batch_size=experience.batch_size)
-        self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, sync_dist=True,
-                 batch_size=experience.batch_size)
+        self.step_metrics = metrics
+        self.log_metrics(metrics, experience.batch_size)
         self.log_samples(experience)
+
+    def log_metrics(self, metrics: dict[str, float], batch_size: int) -> None:
+        """The progress-bar reward every step; every metric, averaged over the steps since the last write,
+        on the steps the Trainer writes logs (`Trainer(log_every_n_steps=...)`, Lightning's default 50).
+
+        Lightning's `self.log` costs about 0.25 ms per metric per call on a CPU, several ms per step for the
+        ~25 metrics, so they are only handed to it when they will be written.
+        """
+        self.log("reward", metrics["rollout/reward_mean"], prog_bar=True, logger=False, sync_dist=True,
+                 batch_size=batch_size)
+        self.metric_window.add(metrics)
+        if self._trainer_writes_logs_now():
+            self.log_dict(self.metric_window.values(), on_step=True, sync_dist=True, batch_size=batch_size)
+            self.metric_window.clear()
+
+    def _trainer_writes_logs_now(self) -> bool:
+        """The Trainer's own test for this step (as Lightning's LearningRateMonitor uses it); True if absent."""
+        trainer = self.trainer
+        connector = getattr(trainer, "_logger_connector", None)
+        return bool(getattr(connector, "should_update_logs", True) or getattr(trainer, "fast_dev_run", False))
 
     def on_experience(self, experience: Experience) -> None:
         """Hook called with every rollout before the update (for callbacks and tests)."""
 
-    def update(self, exp: Experience) -> dict[str, float]:
-        """ppo_epochs passes of minibatch steps over one rollout; returns averaged statistics."""
+    def update(self, exp: Experience) -> tuple[dict[str, float], Experience]:
+        """ppo_epochs passes of minibatch steps over one rollout.
+
+        Returns the statistics averaged over the minibatches, and the rollout with its advantages: when the
+        rollout left them to the update (a single pass), the first forward computes them from its detached
+        log-probs and values and then gives the loss, so the policy runs once instead of twice.
+        """
         algo = self.algorithm
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
+        forward = None
+        if exp.advantages is None:
+            forward = self.policy_forward(exp)
+            _, values, logprobs = forward
+            exp = with_advantages(exp, algo, logprobs.detach(), values.detach() if values is not None else None)
         minibatch_size = exp.batch_size // algo.num_minibatches
         micro_size = algo.micro_batch_size or minibatch_size
         self.last_update_stats = []
@@ -381,28 +414,47 @@ class RLHFModule(L.LightningModule):
                 totals = {"tokens": minibatch.loss_mask.sum().clamp(min=1), "sequences": minibatch.batch_size}
                 stats: dict[str, float] = {}
                 slices = split_rows(minibatch.batch_size, micro_size)
+                if forward is not None and len(slices) > 1:
+                    raise RuntimeError("a rollout without advantages must be updated in one pass of one piece")
                 for i, rows in enumerate(slices):
                     sync = contextlib.nullcontext() if i == len(slices) - 1 else self._no_backward_sync()
                     with sync:
-                        loss, micro_stats = self.micro_batch_loss(minibatch.select(rows), totals)
+                        loss, micro_stats = self.micro_batch_loss(minibatch.select(rows), totals, forward)
+                        forward = None
                         self.manual_backward(loss)
                     for key, value in micro_stats.items():
                         stats[key] = stats.get(key, 0.0) + value
                 stats["optim/grad_norm"] = self.optimizer_step(optimizer, scheduler, stats)
                 self.last_update_stats.append(stats)
-        return {key: sum(s[key] for s in self.last_update_stats) / len(self.last_update_stats)
-                for key in self.last_update_stats[0]}
+        averaged = {key: sum(s[key] for s in self.last_update_stats) / len(self.last_update_stats)
+                    for key in self.last_update_stats[0]}
+        return averaged, exp
 
     def _no_backward_sync(self):
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return block() if block is not None else contextlib.nullcontext()
 
-    def micro_batch_loss(self, mb: Experience, totals: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
-        """The loss of one micro-batch, normalised by its minibatch's totals so micro-batches sum exactly."""
-        algo, T = self.algorithm, mb.response_ids.shape[1]
+    def policy_forward(self, mb: Experience) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Response logits (B, T, V), values (B, T) or None, and log-probs of the response tokens (B, T)."""
+        logits, values = self.actor_critic(mb.input_ids(), mb.attention_mask(), mb.response_ids.shape[1])
+        return logits, values, losses.logprobs_from_logits(logits, mb.response_ids, self.sampling.temperature)
+
+    def micro_batch_loss(
+        self, mb: Experience, totals: dict[str, Any], forward: tuple[Tensor, Tensor | None, Tensor] | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The loss of one micro-batch, normalised by its minibatch's totals so micro-batches sum exactly.
+
+        `forward`: this micro-batch's `policy_forward`, when the caller already ran it.
+        """
+        if mb.advantages is None:
+            raise ValueError(
+                "micro_batch_loss: this rollout left its advantages to the update's own forward (a single pass, "
+                "see AlgorithmConfig.policy_forward_in_rollout); run update(), or complete it first with "
+                "lit_rlhf.rollout.with_advantages"
+            )
+        algo = self.algorithm
         mask = mb.loss_mask
-        logits, values = self.actor_critic(mb.input_ids(), mb.attention_mask(), T)
-        logprobs = losses.logprobs_from_logits(logits, mb.response_ids, self.sampling.temperature)
+        logits, values, logprobs = forward if forward is not None else self.policy_forward(mb)
         # single pass without a critic: the policy has not moved yet, so this forward is the old policy
         old_logprobs = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
 
@@ -535,26 +587,3 @@ def lr_lambda(schedule: str, warmup_steps: int, total_steps: int | None) -> Call
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-def rollout_metrics(exp: Experience, algo: AlgorithmConfig) -> dict[str, float]:
-    """DESIGN §4 rollout and objective metrics of one experience."""
-    mask = exp.response_mask
-    metrics = {
-        "rollout/score_mean": float(exp.scores.mean()),
-        "rollout/score_std": float(exp.scores.std()) if exp.batch_size > 1 else 0.0,
-        "rollout/response_len_mean": float(mask.sum(1).float().mean()),
-        "rollout/frac_truncated": float(exp.truncated.float().mean()),
-    }
-    kl_per_seq = losses.masked_sum(exp.kl, mask, dim=1) if exp.kl is not None else torch.zeros_like(exp.scores)
-    reward = exp.scores - (algo.kl_coef * kl_per_seq if algo.kl_in_reward else 0.0)
-    metrics["rollout/reward_mean"] = float(reward.mean())
-    metrics["rollout/reward_std"] = float(reward.std()) if exp.batch_size > 1 else 0.0
-    metrics["objective/kl"] = float(kl_per_seq.mean())
-    if algo.group_size > 1:
-        grouped = exp.scores.view(-1, algo.group_size)
-        metrics["rollout/frac_reward_zero_std"] = float((grouped.std(1) == 0).float().mean())
-    if exp.values is not None and exp.returns is not None:
-        metrics["value/explained_variance"] = float(losses.explained_variance(exp.values, exp.returns, mask))
-        metrics["value/mean"] = float(losses.masked_mean(exp.values, mask))
-    return metrics

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,6 +155,27 @@ def compute_advantages(
     return per_seq[:, None] * maskf, None, total_reward
 
 
+def with_advantages(
+    exp: Experience,
+    algo: AlgorithmConfig,
+    old_logprobs: Tensor | None,
+    values: Tensor | None,
+    full_kl: Tensor | None = None,
+) -> Experience:
+    """The rollout completed with its old log-probs (B, T), values (B, T), per-token KL and advantages.
+
+    The KL is `full_kl` when given, else the sampled-token estimator of old against reference log-probs.
+    Called by the rollout, or by the update on its own forward's detached outputs when the rollout left
+    the advantages to it (`AlgorithmConfig.policy_forward_in_rollout`).
+    """
+    kl = full_kl
+    if kl is None and exp.ref_logprobs is not None and old_logprobs is not None:
+        kl = losses.kl_from_logprobs(old_logprobs, exp.ref_logprobs, algo.kl_estimator)
+    advantages, returns, _ = compute_advantages(algo, exp.scores, kl, values, exp.response_mask)
+    return dataclasses.replace(exp, old_logprobs=old_logprobs, values=values, kl=kl, advantages=advantages,
+                               returns=returns)
+
+
 @torch.no_grad()
 def collect_experience(
     prompts: PromptBatch,
@@ -190,36 +212,28 @@ def collect_experience(
     timings.score_s = time.perf_counter() - start
 
     start = time.perf_counter()
+    policy_forward = algo.policy_forward_in_rollout(gen.response_ids.shape[0])
     evaluated = evaluate_logprobs(
         actor_critic, reference, input_ids, attention_mask, gen.response_ids, sampling.temperature,
-        full_kl=algo.kl_estimator == "full", policy_forward=algo.needs_old_logprobs,
+        full_kl=algo.kl_estimator == "full", policy_forward=policy_forward,
     )
-    kl = None
-    if evaluated["ref_logprobs"] is not None and evaluated["old_logprobs"] is not None:
-        if algo.kl_estimator == "full":
-            kl = evaluated["full_kl"]
-        else:
-            kl = losses.kl_from_logprobs(evaluated["old_logprobs"], evaluated["ref_logprobs"], algo.kl_estimator)
-    loss_mask = gen.response_mask & ~(gen.truncated[:, None] & algo.mask_truncated)
-    advantages, returns, _ = compute_advantages(algo, scores, kl, evaluated["values"], gen.response_mask)
-    timings.evaluate_s = time.perf_counter() - start
-
     experience = Experience(
         prompt_ids=gen.prompt_ids,
         prompt_mask=gen.prompt_mask,
         response_ids=gen.response_ids,
         response_mask=gen.response_mask,
-        loss_mask=loss_mask,
-        old_logprobs=evaluated["old_logprobs"],
-        advantages=advantages,
+        loss_mask=gen.response_mask & ~(gen.truncated[:, None] & algo.mask_truncated),
+        old_logprobs=None,
+        advantages=None,
         scores=scores.float(),
         truncated=gen.truncated,
         ref_logprobs=evaluated["ref_logprobs"],
-        values=evaluated["values"],
-        returns=returns,
-        kl=kl,
         prompts=prompt_texts,
         responses=responses,
         policy_version=policy_version,
     )
+    if policy_forward or not algo.advantages_need_policy:
+        experience = with_advantages(experience, algo, evaluated["old_logprobs"], evaluated["values"],
+                                     evaluated["full_kl"])
+    timings.evaluate_s = time.perf_counter() - start
     return experience, timings

@@ -42,7 +42,7 @@ class Experience:
     response_mask: Tensor  # (B, T) bool: first response token up to and including the first EOS
     loss_mask: Tensor  # (B, T) bool: response_mask, less truncated responses when they are masked
     old_logprobs: Tensor | None  # (B, T) float32, policy at sampling time; None: taken from the update's forward
-    advantages: Tensor  # (B, T) float32
+    advantages: Tensor | None  # (B, T) float32; None: the update computes them from its own forward
     scores: Tensor  # (B,) float32, sequence scores after truncation handling
     truncated: Tensor  # (B,) bool, no EOS within max_new_tokens
     ref_logprobs: Tensor | None = None  # (B, T) float32; None when no reference model is used

@@ -50,18 +50,12 @@ def tiny_policy():
 
 
 def make_trainer(max_steps: int, **kwargs):
+    """A quiet CPU Trainer that hands every step's metrics to Lightning (`log_every_n_steps=1`)."""
     import lightning as L
 
-    return L.Trainer(
-        max_steps=max_steps,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    settings = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+                "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1}
+    return L.Trainer(max_steps=max_steps, **{**settings, **kwargs})
 
 
 def prompt_batch(tok, texts: list[str], meta: dict | None = None):

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig  # noqa: E402
 from lit_rlhf.checkpoint import AtomicCheckpointIO  # noqa: E402
-from lit_rlhf.module import rollout_metrics  # noqa: E402
+from lit_rlhf.metrics import rollout_metrics  # noqa: E402
 
 REWARD = "lit_rlhf.builtin.sort_digits_reward"
 
@@ -105,6 +105,7 @@ def fit(name: str, args: argparse.Namespace, run: str) -> None:
         strategy="ddp" if args.devices > 1 else "auto", logger=False,
         enable_checkpointing=args.resume and run == "full",  # else Lightning adds its own, writing into the cwd
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
+        log_every_n_steps=1,
     )
     midway = (args.rollouts // 2) * steps_per_rollout
     ckpt_path = os.path.join(checkpoints, f"epoch=0-step={midway}.ckpt") if run == "resumed" else None

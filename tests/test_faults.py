@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback
 
 from conftest import EOS_ID, checksum, make_policy, make_trainer

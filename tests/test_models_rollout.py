@@ -352,7 +352,7 @@ def test_collect_experience_scores_logprobs_and_shapes(tiny_policy, tokenizer, n
         prompt_batch(tokenizer, texts, {"target": targets}), ac, reference, None, RewardComposer([reward]),
         tokenizer, algo, SamplingConfig(max_new_tokens=6), policy_version=7,
     )
-    B, P, T = 3 * G, exp.prompt_ids.shape[1], exp.response_ids.shape[1]
+    B, T = 3 * G, exp.response_ids.shape[1]
     assert exp.batch_size == B and exp.policy_version == 7
     for field in ("old_logprobs", "advantages", "ref_logprobs", "kl", "response_mask", "loss_mask"):
         assert getattr(exp, field).shape == (B, T), field

@@ -1,0 +1,63 @@
+"""The metrics of a training step (DESIGN §4) and their averaging between log writes."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from lit_rlhf import losses
+from lit_rlhf.config import AlgorithmConfig
+from lit_rlhf.types import Experience
+
+
+def rollout_metrics(exp: Experience, algo: AlgorithmConfig) -> dict[str, float]:
+    """DESIGN §4 rollout and objective metrics of one experience."""
+    mask = exp.response_mask
+    metrics = {
+        "rollout/score_mean": float(exp.scores.mean()),
+        "rollout/score_std": float(exp.scores.std()) if exp.batch_size > 1 else 0.0,
+        "rollout/response_len_mean": float(mask.sum(1).float().mean()),
+        "rollout/frac_truncated": float(exp.truncated.float().mean()),
+    }
+    kl_per_seq = losses.masked_sum(exp.kl, mask, dim=1) if exp.kl is not None else torch.zeros_like(exp.scores)
+    reward = exp.scores - (algo.kl_coef * kl_per_seq if algo.kl_in_reward else 0.0)
+    metrics["rollout/reward_mean"] = float(reward.mean())
+    metrics["rollout/reward_std"] = float(reward.std()) if exp.batch_size > 1 else 0.0
+    metrics["objective/kl"] = float(kl_per_seq.mean())
+    if algo.group_size > 1:
+        grouped = exp.scores.view(-1, algo.group_size)
+        metrics["rollout/frac_reward_zero_std"] = float((grouped.std(1) == 0).float().mean())
+    if exp.values is not None and exp.returns is not None:
+        metrics["value/explained_variance"] = float(losses.explained_variance(exp.values, exp.returns, mask))
+        metrics["value/mean"] = float(losses.masked_mean(exp.values, mask))
+    return metrics
+
+
+class MetricWindow:
+    """Each metric's mean over the steps since the last log write (as TRL averages over `logging_steps`).
+
+    Keys in `last_value_keys` (counters, the learning rate) report their latest value instead of a mean.
+    """
+
+    def __init__(self, last_value_keys: Iterable[str] = ()):
+        self.last_value_keys = frozenset(last_value_keys)
+        self.clear()
+
+    def clear(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._counts: dict[str, int] = {}
+        self._last: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value
+            self._counts[key] = self._counts.get(key, 0) + 1
+            self._last[key] = value
+
+    def __len__(self) -> int:
+        return max(self._counts.values(), default=0)
+
+    def values(self) -> dict[str, float]:
+        return {key: self._last[key] if key in self.last_value_keys else total / self._counts[key]
+                for key, total in self._sums.items()}
