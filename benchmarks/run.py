@@ -120,6 +120,25 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def synchronize(device: str) -> None:
+    """Wait for queued GPU work, so a wall-clock time covers it."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def autocast(job: dict[str, Any]):
+    """bf16 autocast for the hand loop when the job runs bf16-mixed (what Lightning's precision plugin does)."""
+    import contextlib
+
+    import torch
+
+    if job.get("precision", "32-true") == "bf16-mixed":
+        return torch.autocast(job.get("device", "cpu"), dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 # ----------------------------------------------------------------------------- the hand-written loop
 
 
@@ -132,8 +151,9 @@ class HandLoop:
         self.tokenizer = job.get("tokenizer") or char_tokenizer()
         self.T, self.n_prompts, self.G = job["max_new_tokens"], job["hand_prompts"], job["hand_group"]
         n_positions = 32 + self.T
-        self.model = job.get("model") or tiny_policy(self.tokenizer, n_positions)
-        self.reward_model = tiny_reward_model(self.tokenizer, n_positions) if job["reward"] == "model" else None
+        self.job, self.device = job, job.get("device", "cpu")
+        self.model = (job.get("model") or tiny_policy(self.tokenizer, n_positions)).to(self.device)
+        self.reward_model = tiny_reward_model(self.tokenizer, n_positions).to(self.device) if job["reward"] == "model" else None
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.prompts = make_prompts(4096)
         self.index = 0
@@ -147,14 +167,15 @@ class HandLoop:
         c0, t0 = time.process_time(), time.perf_counter()
         texts = self.prompts[self.index : self.index + self.n_prompts]
         self.index += self.n_prompts
-        enc = tokenizer(texts, padding=True, return_tensors="pt")
+        enc = tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
         ids = enc["input_ids"].repeat_interleave(G, 0)
         mask = enc["attention_mask"].repeat_interleave(G, 0)
         P = ids.shape[1]
         t1 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), autocast(self.job):
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=T,
                                  eos_token_id=eos, pad_token_id=pad)
+        synchronize(self.device)
         t2 = time.perf_counter()
         response = out[:, P:]
         is_eos = response == eos
@@ -164,15 +185,17 @@ class HandLoop:
         position_ids = (full_mask.cumsum(1) - 1).clamp(min=0)
         if self.reward_model is None:
             responses = tokenizer.batch_decode(response, skip_special_tokens=True)
-            scores = torch.tensor(vowel_reward([t for t in texts for _ in range(G)], responses))
+            scores = torch.tensor(vowel_reward([t for t in texts for _ in range(G)], responses), device=self.device)
         else:
-            with torch.no_grad():
+            with torch.no_grad(), autocast(self.job):
                 scores = self.reward_model(input_ids=full, attention_mask=full_mask,
-                                           position_ids=position_ids).logits[:, 0]
+                                           position_ids=position_ids).logits[:, 0].float()
+        synchronize(self.device)
         t3 = time.perf_counter()
         grouped = scores.view(-1, G)
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
-        logits = model(input_ids=full, attention_mask=full_mask, position_ids=position_ids).logits[:, P - 1 : -1]
+        with autocast(self.job):
+            logits = model(input_ids=full, attention_mask=full_mask, position_ids=position_ids).logits[:, P - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, response[..., None]).squeeze(-1)
         m = response_mask.float()
         loss = -(adv[:, None] * logp * m).sum() / m.sum()
@@ -180,6 +203,7 @@ class HandLoop:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        synchronize(self.device)
         t4 = time.perf_counter()
         self.steps.append({"step_s": t4 - t0, "cpu_s": time.process_time() - c0, "generate_s": t2 - t1,
                            "score_s": t3 - t2, "evaluate_s": 0.0, "update_s": t4 - t3,
@@ -228,6 +252,7 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
             self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            synchronize(job.get("device", "cpu"))
             now, cpu = time.perf_counter(), time.process_time()
             # this step's own values (the logger gets window means); a baseline from before `step_metrics`
             # logged every step, so Lightning's callback metrics hold them there
@@ -242,8 +267,9 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 
     timer = StepTimer()
     updates_per_rollout = algorithm.ppo_epochs * algorithm.num_minibatches
-    trainer = L.Trainer(max_steps=(job["warmup"] + job["steps"]) * updates_per_rollout, accelerator="cpu", devices=1,
-                        precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(max_steps=(job["warmup"] + job["steps"]) * updates_per_rollout,
+                        accelerator="gpu" if job.get("device") == "cuda" else "cpu", devices=1,
+                        precision=job.get("precision", "32-true"), logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0)
     trainer.fit(module, data)
     steps = []
@@ -258,40 +284,74 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- generation only
 
 
-def gen_loop(job: dict[str, Any]) -> dict[str, Any]:
-    """The lean loop and `generate` on the W1 model, interleaved so machine load hits both alike."""
+GEN_VARIANTS = ("lean", "generate", "generate-static", "generate-static-compile", "lean-compile")
+
+
+def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
+    """A fresh W1 model and a function (ids, mask) -> response ids (B, T) for one generation variant.
+
+    lean: `lit_rlhf.sampling.sample`; generate: Hugging Face `generate` with its dynamic cache;
+    generate-static: a static cache, compilation off; generate-static-compile: a static cache with `generate`'s
+    own compilation of the forward; lean-compile: the lean loop over `torch.compile(forward, dynamic=True)`.
+    """
     import torch
     from transformers import GenerationConfig
 
     from lit_rlhf.sampling import sample
 
+    model = tiny_policy(tokenizer, n_positions).to(device).eval()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if name.startswith("lean"):
+        if name == "lean-compile":
+            model.forward = torch.compile(model.forward, dynamic=True)
+        return lambda ids, mask: sample(model, ids, mask, T, eos, pad).response_ids
+    settings: dict[str, Any] = {"do_sample": True, "max_new_tokens": T, "eos_token_id": eos, "pad_token_id": pad}
+    if name.startswith("generate-static"):
+        settings["cache_implementation"] = "static"
+        if name == "generate-static-compile":
+            from transformers import CompileConfig
+
+            settings["compile_config"] = CompileConfig()
+            settings["compile_config"]._compile_all_devices = True  # also on a CPU, when asked for
+        else:
+            settings["disable_compile"] = True
+    config = GenerationConfig(**settings)
+    return lambda ids, mask: model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+
+
+def gen_loop(job: dict[str, Any]) -> dict[str, Any]:
+    """Generation variants on the W1 model, interleaved (the order rotates each round) so load hits all alike."""
+    import torch
+
     tokenizer = char_tokenizer()
+    device, variants = job.get("device", "cpu"), job["variants"]
     rows = []
     for T in job["lengths"]:
-        model = tiny_policy(tokenizer, 32 + T).eval()
-        enc = tokenizer(make_prompts(job["sequences"]), padding=True, return_tensors="pt")
+        generate_fns = {name: generation_fn(name, tokenizer, 32 + T, device, T) for name in variants}
+        enc = tokenizer(make_prompts(job["sequences"]), padding=True, return_tensors="pt").to(device)
         ids, mask = enc["input_ids"], enc["attention_mask"]
-        config = GenerationConfig(do_sample=True, max_new_tokens=T, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id)
-        times: dict[str, list[float]] = {"lean": [], "generate": []}
+        times: dict[str, list[float]] = {name: [] for name in variants}
         for rep in range(job["warmup"] + job["steps"]):
-            for name in ("lean", "generate") if rep % 2 == 0 else ("generate", "lean"):
+            shift = rep % len(variants)
+            for name in variants[shift:] + variants[:shift]:
+                synchronize(device)
                 start = time.perf_counter()
-                with torch.no_grad():
-                    if name == "lean":
-                        out = sample(model, ids, mask, T, tokenizer.eos_token_id, tokenizer.pad_token_id).response_ids
-                    else:
-                        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-                        out = out[:, ids.shape[1] :]
+                with torch.no_grad(), autocast(job):
+                    out = generate_fns[name](ids, mask)
+                synchronize(device)
                 elapsed = time.perf_counter() - start
-                assert out.shape == (ids.shape[0], T), out.shape
+                assert out.shape == (ids.shape[0], T), (name, out.shape)
                 if rep >= job["warmup"]:
                     times[name].append(elapsed)
-        lean, hf = statistics.median(times["lean"]), statistics.median(times["generate"])
-        rows.append({"max_new_tokens": T, "sequences": ids.shape[0], "lean_s": lean, "generate_s": hf,
-                     "lean_tokens_per_s": ids.shape[0] * T / lean, "generate_tokens_per_s": ids.shape[0] * T / hf,
-                     "generate_over_lean": hf / lean})
-    return {"rows": rows}
+        row: dict[str, Any] = {"max_new_tokens": T, "sequences": ids.shape[0]}
+        for name in variants:
+            seconds = statistics.median(times[name])
+            row[f"{name}_s"], row[f"{name}_tokens_per_s"] = seconds, ids.shape[0] * T / seconds
+        if "lean" in variants:
+            for name in variants:
+                row[f"{name}_over_lean"] = row[f"{name}_s"] / row["lean_s"]
+        rows.append(row)
+    return {"rows": rows, "variants": list(variants)}
 
 
 # ----------------------------------------------------------------------------- W3: SmolLM2
@@ -351,6 +411,8 @@ def worker(job: dict[str, Any]) -> None:
     else:
         raise ValueError(kind)
     result.update({"peak_rss_mb": peak_rss_mb(), "start_rss_mb": baseline, "wall_s": time.perf_counter() - start})
+    if job.get("device") == "cuda":
+        result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if "lit_rlhf" in sys.modules:
         result["lit_rlhf"] = os.path.dirname(sys.modules["lit_rlhf"].__file__)
     print("RESULT " + json.dumps(result), flush=True)
@@ -387,14 +449,23 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
     out["tokens"] = med("tokens")
     out["gen_tokens_per_s"] = out["tokens"] / out["generate_s"] if out["generate_s"] else float("nan")
     out["peak_rss_mb"] = result.get("peak_rss_mb", float("nan"))
+    if "peak_cuda_mb" in result:
+        out["peak_cuda_mb"] = result["peak_cuda_mb"]
     out["steps_measured"] = len(steps)
     return out
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Several rounds of one variant: all their steps, the highest peak RSS."""
-    return {"steps": [s for r in results for s in r["steps"]],
-            "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in results)}
+    merged = {"steps": [s for r in results for s in r["steps"]],
+              "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in results)}
+    if all("peak_cuda_mb" in r for r in results):
+        merged["peak_cuda_mb"] = max(r["peak_cuda_mb"] for r in results)
+    return merged
+
+
+def gpu_peak(row: dict[str, Any]) -> str:
+    return f" (GPU {row['peak_cuda_mb']:.0f})" if "peak_cuda_mb" in row else ""
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -407,7 +478,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['workload']} | {r['variant']} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['generate_s']:.3f} | {r['score_s']:.3f} | "
             f"{r['evaluate_s']:.3f} | {r['update_s']:.3f} | {r['other_s']:.3f} | {r['gen_tokens_per_s']:.0f} | "
-            f"{r['peak_rss_mb']:.0f} | {ratio}{rss_ratio} |"
+            f"{r['peak_rss_mb']:.0f}{gpu_peak(r)} | {ratio}{rss_ratio} |"
         )
     return "\n".join(lines)
 
@@ -416,6 +487,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few steps, fewer scaling points")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"),
+                        help="Lightning precision for ours; the hand loop autocasts to bf16 the same way")
+    parser.add_argument("--gen-variants", default=None,
+                        help=f"comma-separated subset of {','.join(GEN_VARIANTS)} (default: all on cuda, "
+                             "'lean,generate' on cpu, where compiling takes minutes)")
     parser.add_argument("--only", default="W1,W2,W3,gen,scale", help="comma-separated subset")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per variant and round")
     parser.add_argument("--rounds", type=int, default=None, help="paired runs per variant (default 1)")
@@ -434,17 +511,26 @@ def main() -> None:
     steps = args.steps or (3 if args.quick else 8)
     rounds = args.rounds or 1
     warmup = 1 if args.quick else 2
-    base = {"threads": args.threads, "warmup": warmup, "steps": steps}
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+    base = {"threads": args.threads, "warmup": warmup, "steps": steps, "device": args.device,
+            "precision": args.precision}
     grpo = {"name": "grpo", "group_size": 4, "kl_coef": 0.0, "ppo_epochs": 1, "num_minibatches": 1}
     ppo = {"name": "ppo", "ppo_epochs": 1, "num_minibatches": 1}
     report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
-                              "threads": args.threads, "machine": platform.platform(), "python": platform.python_version(),
+                              "threads": args.threads, "device": args.device, "precision": args.precision,
+                              "machine": platform.platform(), "python": platform.python_version(),
                               "cpu_count": os.cpu_count(), "workloads": {}, "rows": []}
     try:
         import torch
         import transformers
 
         report["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+        if args.device == "cuda":
+            report["gpu"] = torch.cuda.get_device_name()
     except ImportError:
         pass
     rows: list[dict[str, Any]] = []
@@ -476,6 +562,8 @@ def main() -> None:
                 for key, s in summary.items():
                     if key == name or (name == "hand" and key.startswith("hand")):
                         s["peak_rss_mb"] = result["peak_rss_mb"]
+                        if "peak_cuda_mb" in result:
+                            s["peak_cuda_mb"] = result["peak_cuda_mb"]
             for name in variants:
                 summary[name]["rss_ratio"] = summary[name]["peak_rss_mb"] / summary[f"hand (vs {name})"]["peak_rss_mb"]
         report["workloads"][workload] = {"hand_job": hand_job, "jobs": variants, "summary": summary, "raw": raw}
@@ -524,15 +612,24 @@ def main() -> None:
                 print(f"W3 failed: {err}", flush=True)
                 report["workloads"]["W3"] = {"skipped": str(err)[-500:]}
     if "gen" in only:
-        print("gen: lean loop vs generate (generation only, interleaved, 32 sequences)", flush=True)
+        variants = args.gen_variants.split(",") if args.gen_variants else (
+            list(GEN_VARIANTS) if args.device == "cuda" else ["lean", "generate"])
+        unknown = sorted(set(variants) - set(GEN_VARIANTS))
+        if unknown:
+            parser.error(f"--gen-variants: unknown {unknown}; use some of {','.join(GEN_VARIANTS)}")
+        print(f"gen: generation only, {', '.join(variants)} (interleaved, 32 sequences)", flush=True)
         lengths = [32, 128] if args.quick else [16, 32, 64, 128]
-        result = run_worker(dict(base, kind="gen", name="gen", lengths=lengths, sequences=32,
+        result = run_worker(dict(base, kind="gen", name="gen", lengths=lengths, sequences=32, variants=variants,
                                  steps=max(steps, 5), warmup=2))
         report["generation"] = result
-        print("| new tokens | lean s | generate s | lean tok/s | generate tok/s | generate/lean |\n|---|---|---|---|---|---|")
+        head = ["new tokens"] + [f"{v} s" for v in variants] + [f"{v} tok/s" for v in variants] + \
+            [f"{v}/lean" for v in variants if v != "lean" and "lean" in variants]
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for r in result["rows"]:
-            print(f"| {r['max_new_tokens']} | {r['lean_s']:.3f} | {r['generate_s']:.3f} | {r['lean_tokens_per_s']:.0f} | "
-                  f"{r['generate_tokens_per_s']:.0f} | {r['generate_over_lean']:.2f}x |", flush=True)
+            cells = [str(r["max_new_tokens"])] + [f"{r[v + '_s']:.3f}" for v in variants] + \
+                [f"{r[v + '_tokens_per_s']:.0f}" for v in variants] + \
+                [f"{r[v + '_over_lean']:.2f}x" for v in variants if v != "lean" and "lean" in variants]
+            print("| " + " | ".join(cells) + " |", flush=True)
     if "scale" in only:
         lengths = [16, 128] if args.quick else [16, 32, 64, 128]
         prompt_counts = [2, 16] if args.quick else [2, 4, 8, 16]
