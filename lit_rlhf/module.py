@@ -363,10 +363,10 @@ class RLHFModule(L.LightningModule):
                         "optim/lr": lr,
                         "optim/skipped_updates": float(self.skipped_updates)})
         self.step_metrics = metrics
-        self.log_metrics(metrics, experience.batch_size)
+        self.log_step_metrics(metrics, experience.batch_size)
         self.log_samples(experience)
 
-    def log_metrics(self, metrics: dict[str, float], batch_size: int) -> None:
+    def log_step_metrics(self, metrics: dict[str, float], batch_size: int) -> None:
         """The progress-bar reward every step; every metric, averaged over the steps since the last write,
         on the steps the Trainer writes logs (`Trainer(log_every_n_steps=...)`, Lightning's default 50).
 
@@ -387,7 +387,11 @@ class RLHFModule(L.LightningModule):
         return bool(getattr(connector, "should_update_logs", True) or getattr(trainer, "fast_dev_run", False))
 
     def on_experience(self, experience: Experience) -> None:
-        """Hook called with every rollout before the update (for callbacks and tests)."""
+        """Hook called with every rollout before the update (for callbacks and tests).
+
+        With a single pass the rollout's `advantages`, `old_logprobs`, `values` and `kl` may still be None here:
+        the update computes them from its own forward (`AlgorithmConfig.policy_forward_in_rollout`).
+        """
 
     def update(self, exp: Experience) -> tuple[dict[str, float], Experience]:
         """ppo_epochs passes of minibatch steps over one rollout.
