@@ -55,9 +55,6 @@ class MetricWindow:
             self._counts[key] = self._counts.get(key, 0) + 1
             self._last[key] = value
 
-    def __len__(self) -> int:
-        return max(self._counts.values(), default=0)
-
     def values(self) -> dict[str, float]:
         return {key: self._last[key] if key in self.last_value_keys else total / self._counts[key]
                 for key, total in self._sums.items()}

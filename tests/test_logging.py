@@ -81,7 +81,7 @@ def test_metrics_written_every_n_steps_are_the_mean_of_the_steps_since_the_last_
         means = [sum(s[key] for s in window) / 3 for window in windows]
         assert written == pytest.approx(means, rel=1e-5, abs=1e-7), key
         assert len({s[key] for s in steps[:3]}) > 1, key  # the window really mixes different values
-    # the learning rate (warming up) and the skip counter report their latest value, not a mean
+    # the learning rate (warming up) reports its latest value, not a mean
     assert [e.value for e in events.Scalars("optim/lr")] == pytest.approx([w[-1]["optim/lr"] for w in windows])
     assert [e.value for e in events.Scalars("optim/lr")] == pytest.approx([3e-3, 6e-3])
     # the progress bar shows every step's own reward

@@ -82,7 +82,7 @@ def minibatch_grads(module, exp, micro_rows: list[slice], own_totals: bool = Fal
 @pytest.mark.parametrize(
     "name, extra",
     [
-        ("ppo", dict(mask_truncated=True, micro_batch_size=2)),  # critic, KL in the reward
+        ("ppo", dict(mask_truncated=True, micro_batch_size=2)),  # critic, KL in the reward (micro-batches: evaluated in the rollout)
         ("grpo", dict(group_size=4, kl_coef=0.04, kl_estimator="k3", ppo_epochs=2)),  # KL in the loss
         ("grpo", dict(group_size=4, kl_coef=0.04, kl_estimator="k3")),  # one pass: old log-probs from the update
         ("grpo", dict(group_size=4, kl_coef=0.04, kl_estimator="full")),
