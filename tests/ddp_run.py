@@ -11,7 +11,6 @@ restarts from the midway checkpoint of the first; --devices 1 gives the single-p
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -24,19 +23,12 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
+from conftest import checksum  # noqa: E402  (this script runs from tests/, beside conftest.py)
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig  # noqa: E402
 from lit_rlhf.checkpoint import AtomicCheckpointIO  # noqa: E402
 from lit_rlhf.metrics import rollout_metrics  # noqa: E402
 
 REWARD = "lit_rlhf.builtin.sort_digits_reward"
-
-
-def weights_checksum(module: torch.nn.Module) -> str:
-    h = hashlib.sha1()
-    for name, p in sorted(module.named_parameters()):
-        h.update(name.encode())
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class Recorder(RLHFModule):
@@ -66,7 +58,7 @@ class StepLog(Callback):
         self.steps.append({
             "global_step": trainer.global_step,
             "seconds": time.perf_counter() - self._start,
-            "checksum": weights_checksum(pl_module.actor_critic),
+            "checksum": checksum(pl_module.actor_critic),
             "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
         })
 
