@@ -1,7 +1,7 @@
 """Peak memory and time per step of SmolLM2-135M RL steps on this CPU: full fine-tuning with a frozen reference
 copy against LoRA with the adapter-disabled reference, with and without gradient checkpointing.
 
-    python -m lit_rlhf.prepare_smollm2 --out models/smollm2-135m      # once
+    python scripts/prepare_smollm2.py --out models/smollm2-135m      # once
     python benchmarks/memory_smollm2.py [--folder models/smollm2-135m] [--steps 2] [--variants full lora ...]
 
 Each variant runs in its own subprocess, so its peak resident memory (ru_maxrss) is its own; it includes the
@@ -40,7 +40,7 @@ def worker(job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-    from lit_rlhf.lora import parameter_bytes
+    from lit_rlhf.models.lora import parameter_bytes
 
     imported_mb = baseline_rss_mb()
     L.seed_everything(0)
@@ -56,7 +56,7 @@ def worker(job: dict) -> dict:
     variant = VARIANTS[job["variant"]]
     module = RLHFModule(
         policy=job["folder"],
-        reward_fns=["lit_rlhf.rewards_zoo.vader_sentiment_reward"],
+        reward_fns=["lit_rlhf.tasks.chat.vader_sentiment_reward"],
         algorithm=AlgorithmConfig(name=job["algorithm"], group_size=job["group_size"]),
         sampling=SamplingConfig(max_new_tokens=job["max_new_tokens"]),
         lr=1e-5,
@@ -104,7 +104,7 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return
     if not os.path.isfile(os.path.join(args.folder, "config.json")):
-        sys.exit(f"{args.folder} holds no checkpoint; run: python -m lit_rlhf.prepare_smollm2 --out {args.folder}")
+        sys.exit(f"{args.folder} holds no checkpoint; run: python scripts/prepare_smollm2.py --out {args.folder}")
     group = args.group_size or (1 if args.algorithm == "ppo" else 2)
     results = []
     for name in args.variants:

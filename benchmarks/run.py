@@ -290,14 +290,14 @@ GEN_VARIANTS = ("lean", "generate", "generate-static", "generate-static-compile"
 def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
     """A fresh W1 model and a function (ids, mask) -> response ids (B, T) for one generation variant.
 
-    lean: `lit_rlhf.sampling.sample`; generate: Hugging Face `generate` with its dynamic cache;
+    lean: `lit_rlhf.rollout.sampler.sample`; generate: Hugging Face `generate` with its dynamic cache;
     generate-static: a static cache, compilation off; generate-static-compile: a static cache with `generate`'s
     own compilation of the forward; lean-compile: the lean loop over `torch.compile(forward, dynamic=True)`.
     """
     import torch
     from transformers import GenerationConfig
 
-    from lit_rlhf.sampling import sample
+    from lit_rlhf.rollout.sampler import sample
 
     model = tiny_policy(tokenizer, n_positions).to(device).eval()
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -398,7 +398,7 @@ def worker(job: dict[str, Any]) -> None:
     elif kind == "pair":  # a hand step after each of ours, alternating, in one process
         hand_job, ours_job = job["hand"], job["ours"]
         if job.get("folder"):  # W3: each side gets its own copy of the real model
-            from lit_rlhf.models import prepare_tokenizer
+            from lit_rlhf.models.actor_critic import prepare_tokenizer
 
             for side in ("hand", "ours"):
                 model, tokenizer = load_smollm2(job["folder"])

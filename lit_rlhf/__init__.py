@@ -1,19 +1,27 @@
-"""lit_rlhf: PPO and GRPO for causal language models as PyTorch Lightning modules."""
+"""lit_rlhf: PPO, GRPO and their variants for causal language models, as PyTorch Lightning modules.
 
-from lit_rlhf.checkpoint import AtomicCheckpointIO
+The data flow, one folder each: `data` (prompts) -> `rollout` (generate, score with `rewards`) ->
+`algorithms` (experience, advantages, losses) -> `training` (the LightningModule's update loop).
+"""
+
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
-from lit_rlhf.data import RolloutDataModule
-from lit_rlhf.module import RLHFModule
-from lit_rlhf.types import Experience, PromptBatch
+from lit_rlhf.data.datamodule import RolloutDataModule
+from lit_rlhf.rewards.training import PreferenceDataModule, RewardModelModule
+from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
+from lit_rlhf.training.module import RLHFModule
+from lit_rlhf.types import Experience, PromptBatch, Rollout
 
 __all__ = [
     "AlgorithmConfig",
     "AtomicCheckpointIO",
     "ConfigError",
     "Experience",
+    "PreferenceDataModule",
     "PromptBatch",
     "RLHFModule",
+    "RewardModelModule",
+    "Rollout",
     "RolloutDataModule",
     "SamplingConfig",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -6,12 +6,15 @@ PPO and GRPO are one code path: `AlgorithmConfig.name` only fills in the setting
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
 
-from lit_rlhf.losses import GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
-
-ALGORITHMS = ("ppo", "grpo")
-SAMPLING_BACKENDS = ("lean", "generate")
-ADVANTAGE_ESTIMATORS = ("gae",) + GROUP_ESTIMATORS
+Algorithm = Literal["ppo", "grpo"]
+AdvantageEstimator = Literal["gae", "grpo", "batch_std", "dr_grpo", "rloo"]
+KLEstimator = Literal["k1", "k2", "k3", "full"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+SamplingBackend = Literal["lean", "generate"]
+LRSchedule = Literal["constant", "linear", "cosine"]
 
 # The settings each algorithm fills in when the user leaves them as None.
 _ALGORITHM_DEFAULTS = {
@@ -29,19 +32,25 @@ def _require(condition: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
+def check_choice(value: Any, choices: Any, field: str) -> None:
+    """Raise unless `value` is one of the `Literal` type `choices`' values."""
+    allowed = get_args(choices)
+    _require(value in allowed, field, f"unknown value {value!r}; use one of {', '.join(map(repr, allowed))}")
+
+
 @dataclass
 class AlgorithmConfig:
     """How experience becomes a loss. Fields left as None take the defaults of `name`."""
 
-    name: str = "grpo"
+    name: Algorithm = "grpo"
     """'ppo' (critic, GAE, KL in the reward) or 'grpo' (group-normalised scores, KL k3 in the loss)."""
     group_size: int | None = None
     """Responses sampled per prompt (G). PPO default 1, GRPO default 8 (GRPO needs at least 2)."""
-    advantage_estimator: str | None = None
+    advantage_estimator: AdvantageEstimator | None = None
     """'gae' (needs the critic), or a group estimator: 'grpo', 'batch_std', 'dr_grpo', 'rloo'."""
     kl_coef: float | None = None
     """Weight beta of the KL to the reference policy (PPO 0.05, GRPO 0.04). 0 skips the reference model."""
-    kl_estimator: str | None = None
+    kl_estimator: KLEstimator | None = None
     """'k1', 'k2', 'k3' (from sampled tokens) or 'full' (exact, over the vocabulary)."""
     kl_in_reward: bool | None = None
     """True: -beta*KL goes into the per-token reward (PPO). False: beta*KL is added to the loss (GRPO)."""
@@ -69,7 +78,7 @@ class AlgorithmConfig:
     """Normalise GAE advantages over the valid tokens of the rollout (PPO)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus subtracted from the loss."""
-    loss_aggregation: str = "token_mean"
+    loss_aggregation: LossAggregation = "token_mean"
     """'token_mean', 'seq_mean_token_mean' or 'seq_mean_token_sum_norm' (Dr.GRPO)."""
     truncated_score: float | None = None
     """Score given to responses that hit max_new_tokens without EOS. None: keep the reward's score."""
@@ -81,22 +90,14 @@ class AlgorithmConfig:
     """Added to the standard deviation in group normalisation."""
 
     def __post_init__(self) -> None:
-        _require(self.name in ALGORITHMS, "algorithm.name", f"unknown algorithm {self.name!r}; use one of {ALGORITHMS}")
+        check_choice(self.name, Algorithm, "algorithm.name")
         for key, value in _ALGORITHM_DEFAULTS[self.name].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
         if self.clip_eps_high is None:
             self.clip_eps_high = self.clip_eps_low
-        _require(
-            self.advantage_estimator in ADVANTAGE_ESTIMATORS,
-            "algorithm.advantage_estimator",
-            f"unknown estimator {self.advantage_estimator!r}; use one of {ADVANTAGE_ESTIMATORS}",
-        )
-        _require(
-            self.kl_estimator in KL_ESTIMATORS,
-            "algorithm.kl_estimator",
-            f"unknown KL estimator {self.kl_estimator!r}; use one of {KL_ESTIMATORS}",
-        )
+        check_choice(self.advantage_estimator, AdvantageEstimator, "algorithm.advantage_estimator")
+        check_choice(self.kl_estimator, KLEstimator, "algorithm.kl_estimator")
         _require(self.group_size >= 1, "algorithm.group_size", f"must be >= 1, got {self.group_size}")
         if self.advantage_estimator != "gae":
             _require(
@@ -123,11 +124,7 @@ class AlgorithmConfig:
         )
         _require(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
         _require(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
-        _require(
-            self.loss_aggregation in LOSS_AGGREGATIONS,
-            "algorithm.loss_aggregation",
-            f"unknown aggregation {self.loss_aggregation!r}; use one of {LOSS_AGGREGATIONS}",
-        )
+        check_choice(self.loss_aggregation, LossAggregation, "algorithm.loss_aggregation")
 
     @property
     def uses_critic(self) -> bool:
@@ -144,25 +141,17 @@ class AlgorithmConfig:
         """One epoch over one minibatch: the update's forward sees the policy that sampled the rollout."""
         return self.ppo_epochs == 1 and self.num_minibatches == 1
 
-    @property
-    def advantages_need_policy(self) -> bool:
-        """The advantages depend on the policy's own forward: critic values (GAE) or the KL in the reward."""
-        return self.uses_critic or (self.uses_reference and self.kl_in_reward)
-
     def policy_forward_in_rollout(self, rollout_batch_size: int) -> bool:
-        """Whether the rollout runs its own no-grad policy (and critic) forward.
+        """Whether the sampling policy needs its own no-grad forward before the update.
 
-        Not with a single pass: the update's forward then gives the old log-probs (ratio exactly 1) and the
-        values, and the advantages are computed from that forward before its loss. When the advantages need
-        it, the forward must cover the whole rollout in one piece (advantage whitening spans the rollout, so
-        no micro-batches) and the KL must be a sampled-token estimator ('full' needs both full distributions).
+        Not for a single pass over a rollout updated in one piece: the update's first forward then is the
+        sampling policy (ratio exactly 1), so it supplies the old log-probs and values, and the same forward
+        gives the loss. Several passes, minibatches or micro-batches need the old log-probs of the whole
+        rollout first, and so does the exact KL ('full'), which needs both full distributions.
         """
-        if not self.single_pass:
-            return True
-        if not self.advantages_need_policy:
-            return False
         one_piece = self.micro_batch_size is None or self.micro_batch_size >= rollout_batch_size
-        return not one_piece or (self.uses_reference and self.kl_estimator == "full")
+        full_kl = self.uses_reference and self.kl_estimator == "full"
+        return not (self.single_pass and one_piece) or full_kl
 
     def check_batch(self, rollout_batch_size: int) -> None:
         """Raise if `rollout_batch_size` sequences do not split into minibatches and micro-batches."""
@@ -194,7 +183,7 @@ class SamplingConfig:
     """Sample among the k most likely tokens only. 0: off."""
     top_p: float = 1.0
     """Nucleus sampling mass. 1.0: off."""
-    backend: str = "lean"
+    backend: SamplingBackend = "lean"
     """'lean' (`lit_rlhf.sampling`: a minimal KV-cache loop, faster than generate for the same draws) or
     'generate' (Hugging Face generate). Both sample the same distribution (same tokens for the same seed)."""
 
@@ -207,8 +196,18 @@ class SamplingConfig:
         _require(self.temperature > 0, "sampling.temperature", f"must be > 0, got {self.temperature}")
         _require(self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
         _require(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
-        _require(
-            self.backend in SAMPLING_BACKENDS,
-            "sampling.backend",
-            f"unknown backend {self.backend!r}; use one of {SAMPLING_BACKENDS}",
-        )
+        check_choice(self.backend, SamplingBackend, "sampling.backend")
+
+
+def check_module_settings(lr: float, lr_schedule: str, warmup_steps: int, max_consecutive_skips: int,
+                          reward_model: Any, reward_fns: Sequence[Any] | None) -> None:
+    """`RLHFModule`'s own settings, before any model loads."""
+    if lr <= 0:
+        raise ConfigError(f"model.lr: must be > 0, got {lr}")
+    check_choice(lr_schedule, LRSchedule, "model.lr_schedule")
+    if warmup_steps < 0:
+        raise ConfigError(f"model.warmup_steps: must be >= 0, got {warmup_steps}")
+    if max_consecutive_skips < 1:
+        raise ConfigError(f"model.max_consecutive_skips: must be >= 1, got {max_consecutive_skips}")
+    if reward_model is None and not reward_fns:
+        raise ConfigError("model.reward_fns / model.reward_model: give at least one reward function or a reward model")

@@ -1,5 +1,7 @@
 """The batches that flow through a training step, and the one home of their shape comments.
 
+PromptBatch (data) -> Rollout (generate, score) -> Experience (log-probs, KL, advantages) -> update.
+
 B0 = prompts in the batch, G = samples per prompt, B = B0 * G sequences, P = prompt length (left padded),
 T = response length (right padded).
 """
@@ -8,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
+
+from typing_extensions import Self
 
 import torch
 from torch import Tensor
@@ -22,6 +27,7 @@ class PromptBatch:
     attention_mask: Tensor  # (B0, P) long, 0 on left padding
     texts: list[str]  # B0 prompt strings
     meta: dict[str, list[Any]] = field(default_factory=dict)  # extra dataset columns, each a list of B0
+    position: int = 0  # rows of this rank's prompt stream consumed up to and including this batch
 
     def to(self, device: torch.device | str) -> "PromptBatch":
         return dataclasses.replace(
@@ -32,23 +38,16 @@ class PromptBatch:
         return self.input_ids.shape[0]
 
 
-@dataclass
-class Experience:
-    """One rollout, everything the update needs, on the (B, T) response grid."""
+@dataclass(kw_only=True)
+class Rollout:
+    """What sampling and scoring produce: responses on the (B, T) response grid and one score each."""
 
-    prompt_ids: Tensor  # (B, P) long, left padded
+    prompt_ids: Tensor  # (B, P) long, left padded, each prompt repeated G times
     prompt_mask: Tensor  # (B, P) long
-    response_ids: Tensor  # (B, T) long, right padded
+    response_ids: Tensor  # (B, T) long, right padded with pad after the first EOS
     response_mask: Tensor  # (B, T) bool: first response token up to and including the first EOS
-    loss_mask: Tensor  # (B, T) bool: response_mask, less truncated responses when they are masked
-    old_logprobs: Tensor | None  # (B, T) float32, policy at sampling time; None: taken from the update's forward
-    advantages: Tensor | None  # (B, T) float32; None: the update computes them from its own forward
-    scores: Tensor  # (B,) float32, sequence scores after truncation handling
     truncated: Tensor  # (B,) bool, no EOS within max_new_tokens
-    ref_logprobs: Tensor | None = None  # (B, T) float32; None when no reference model is used
-    values: Tensor | None = None  # (B, T) float32, critic at sampling time (PPO)
-    returns: Tensor | None = None  # (B, T) float32, GAE returns (PPO)
-    kl: Tensor | None = None  # (B, T) float32, per-token KL at sampling time
+    scores: Tensor  # (B,) float32, sequence scores after truncation handling
     prompts: list[str] = field(default_factory=list)  # B prompt strings (each repeated G times)
     responses: list[str] = field(default_factory=list)  # B decoded responses
     policy_version: int = 0  # number of optimizer updates the sampling policy had seen
@@ -69,12 +68,9 @@ class Experience:
         """Attention over prompt (minus left padding) and response (up to its EOS): (B, P+T)."""
         return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
 
-    def select(self, index: Tensor | slice) -> "Experience":
-        """The rows `index` of every tensor (and list) field."""
-        if isinstance(index, slice):
-            rows = list(range(self.batch_size))[index]
-        else:
-            rows = index.tolist()
+    def select(self, index: Tensor | slice) -> Self:
+        """The rows `index` of every tensor (and per-row list) field."""
+        rows = list(range(self.batch_size))[index] if isinstance(index, slice) else index.tolist()
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -84,13 +80,26 @@ class Experience:
                 changes[f.name] = [value[i] for i in rows]
         return dataclasses.replace(self, **changes)
 
-    def to(self, device: torch.device | str) -> "Experience":
+    def to(self, device: torch.device | str) -> Self:
         changes = {
             f.name: getattr(self, f.name).to(device)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(kw_only=True)
+class Experience(Rollout):
+    """A rollout with everything the update needs, complete: no field means "not computed yet"."""
+
+    loss_mask: Tensor  # (B, T) bool: response_mask, less truncated responses when they are masked
+    old_logprobs: Tensor  # (B, T) float32, the sampling policy's log-probs
+    advantages: Tensor  # (B, T) float32
+    ref_logprobs: Tensor | None = None  # (B, T) float32; None: no reference model (kl_coef 0)
+    kl: Tensor | None = None  # (B, T) float32, per-token KL to the reference at sampling time; None: no reference
+    values: Tensor | None = None  # (B, T) float32, critic at sampling time; None: no critic
+    returns: Tensor | None = None  # (B, T) float32, GAE returns; None: no critic
 
 
 def split_rows(batch_size: int, chunk_size: int) -> list[slice]:

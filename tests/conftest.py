@@ -4,11 +4,15 @@ and a quiet CPU Trainer factory. Everything is CPU, single-threaded and seeded."
 from __future__ import annotations
 
 import hashlib
+import pathlib
+import sys
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# the one-off preparation scripts (scripts/*.py) are tested too
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 
 
 
@@ -29,7 +33,7 @@ def _seed():
 
 @pytest.fixture
 def tokenizer():
-    from lit_rlhf.builtin import builtin_tokenizer
+    from lit_rlhf.tasks.digits import builtin_tokenizer
 
     tok = builtin_tokenizer()
     assert (tok.pad_token_id, tok.eos_token_id) == (PAD_ID, EOS_ID)
@@ -38,7 +42,7 @@ def tokenizer():
 
 def make_policy(seed: int = 0, n_layer: int = 1, n_embd: int = 32, n_head: int = 2):
     """A fresh, seeded, from-scratch GPT-2 over the built-in vocabulary."""
-    from lit_rlhf.builtin import builtin_policy
+    from lit_rlhf.tasks.digits import builtin_policy
 
     torch.manual_seed(seed)
     return builtin_policy(n_layer=n_layer, n_embd=n_embd, n_head=n_head)

@@ -25,10 +25,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from conftest import checksum  # noqa: E402  (this script runs from tests/, beside conftest.py)
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig  # noqa: E402
-from lit_rlhf.checkpoint import AtomicCheckpointIO  # noqa: E402
-from lit_rlhf.metrics import rollout_metrics  # noqa: E402
+from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO  # noqa: E402
+from lit_rlhf.training.metrics import rollout_metrics  # noqa: E402
 
-REWARD = "lit_rlhf.builtin.sort_digits_reward"
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 
 
 class Recorder(RLHFModule):

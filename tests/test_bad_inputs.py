@@ -17,12 +17,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import make_policy, make_trainer
 from lit_rlhf import AlgorithmConfig, ConfigError, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.builtin import builtin_tokenizer
-from lit_rlhf.checkpoint import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
-from lit_rlhf.rewards import RewardError, call_reward_fn
+from lit_rlhf.tasks.digits import builtin_tokenizer
+from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
+from lit_rlhf.rewards.functions import RewardError, call_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
-REWARD = "lit_rlhf.builtin.sort_digits_reward"
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 CASES: dict[str, tuple] = {}
 
 
@@ -144,7 +144,7 @@ def _(env):
 
 @case("policy-folder-without-model", ConfigError, r"model.policy: the folder .* holds none of config.json")
 def _(env):
-    from lit_rlhf.models import load_causal_lm
+    from lit_rlhf.models.loading import load_causal_lm
 
     (env.tmp / "empty").mkdir()
     load_causal_lm(str(env.tmp / "empty"), "model.policy")
@@ -158,14 +158,14 @@ def _(env):
 
 @case("policy-not-a-causal-lm", ConfigError, "model.policy: GPT2ForSequenceClassification has no language-model head")
 def _(env):
-    from lit_rlhf.builtin import builtin_reward_model
+    from lit_rlhf.tasks.digits import builtin_reward_model
 
     env.module(policy=builtin_reward_model(n_layer=1, n_embd=32, n_head=2))
 
 
 @case("policy-folder-with-remote-code", ValueError, "trust_remote_code=True")
 def _(env):
-    from lit_rlhf.models import load_causal_lm
+    from lit_rlhf.models.loading import load_causal_lm
 
     folder = env.tmp / "remote"
     make_policy().save_pretrained(folder)
@@ -265,7 +265,7 @@ def _(env):
 
 @case("fewer-prompts-than-processes", ConfigError, "data.prompts: 1 prompts for 2 processes")
 def _(env):
-    from lit_rlhf.data import PromptStream
+    from lit_rlhf.data.sources import PromptStream
 
     next(iter(PromptStream([{"prompt": "1>"}], seed=0, shuffle=True, rank=1, world_size=2)))
 
@@ -303,9 +303,14 @@ def _(env, capsys):
     run_cli(env, capsys, "--config", DEBUG, "--model.lr", "fast")
 
 
-@case("yaml-invalid-value", ValueError, r"algorithm.name: unknown algorithm 'dpo'; use one of \('ppo', 'grpo'\)")
+@case("yaml-invalid-value", ValueError, r"Parser key \"name\":\s+Expected a typing.Literal\['ppo', 'grpo'\]. Got value: dpo")
 def _(env, capsys):
     run_cli(env, capsys, "--config", DEBUG, "--model.algorithm.name", "dpo")
+
+
+@case("python-invalid-choice", ConfigError, r"algorithm.name: unknown value 'dpo'; use one of 'ppo', 'grpo'")
+def _(env, capsys):
+    AlgorithmConfig(name="dpo")
 
 
 @case("yaml-config-file-missing", ValueError, r"Parser key \"config\":\s+File does not exist")

@@ -61,4 +61,4 @@ def test_config_runs_one_rollout(path, tmp_path, monkeypatch):
     # one rollout ran all of its optimizer steps
     algo = module.algorithm
     assert cli.trainer.global_step == algo.ppo_epochs * algo.num_minibatches
-    assert module.policy_version == cli.trainer.global_step
+    assert module.state.policy_version == cli.trainer.global_step

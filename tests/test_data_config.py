@@ -10,10 +10,10 @@ import torch
 
 from conftest import PAD_ID, make_trainer
 from lit_rlhf import AlgorithmConfig, ConfigError, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.data import PromptStream, read_prompt_file
-from lit_rlhf.models import load_causal_lm, load_tokenizer
+from lit_rlhf.data.sources import PromptStream, read_prompt_file
+from lit_rlhf.models.loading import load_causal_lm, load_tokenizer
 
-REWARD = "lit_rlhf.builtin.sort_digits_reward"
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 
 
 def ids_of(tok, text: str) -> list[int]:
@@ -142,8 +142,8 @@ def test_tokenizer_without_eos_is_an_error(tokenizer):
     "path, words",
     [
         ("no_such_package_xyz.rewards.score", ["reward_fns", "no_such_package_xyz.rewards"]),
-        ("lit_rlhf.builtin.no_such_reward", ["reward_fns", "no_such_reward"]),
-        ("lit_rlhf.builtin.DIGITS", ["reward_fns", "DIGITS"]),  # exists, not callable
+        ("lit_rlhf.tasks.digits.no_such_reward", ["reward_fns", "no_such_reward"]),
+        ("lit_rlhf.tasks.digits.DIGITS", ["reward_fns", "DIGITS"]),  # exists, not callable
         ("sort_digits_reward", ["reward_fns", "dotted path"]),
     ],
 )
@@ -155,8 +155,8 @@ def test_reward_fn_path_that_does_not_import(path, words):
 
 
 def test_reward_fn_path_with_colon_imports():
-    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.builtin:sort_digits_reward"])
-    from lit_rlhf.builtin import sort_digits_reward
+    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.tasks.digits:sort_digits_reward"])
+    from lit_rlhf.tasks.digits import sort_digits_reward
 
     assert module.reward.reward_fns == [sort_digits_reward]
 
@@ -318,6 +318,7 @@ def test_datamodule_state_dict_before_setup_is_applied_at_setup(tokenizer):
     dm.load_state_dict({"prompt_stream": {"rows_consumed": 2}})
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    assert batch.texts == ["3>"]
-    assert dm.state_dict() == {"prompt_stream": {"rows_consumed": 3}}
+    assert batch.texts == ["3>"] and batch.position == 3
+    # a batch that was read but never reached training_step (Lightning prefetches one) does not count
+    assert dm.state_dict() == {"prompt_stream": {"rows_consumed": 2}}
     assert torch.equal(batch.input_ids, torch.tensor([ids_of(tokenizer, "3>")]))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lit_rlhf.builtin import sort_digits_prompts
+from lit_rlhf.tasks.digits import sort_digits_prompts
 
 SCRIPT = Path(__file__).with_name("ddp_run.py")
 ALGORITHMS = ("ppo", "grpo")

@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import Callback
 
 from conftest import EOS_ID, checksum, make_policy, make_trainer
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.builtin import sort_digits_reward
-from lit_rlhf.rewards import RewardError
+from lit_rlhf.tasks.digits import sort_digits_reward
+from lit_rlhf.rewards.functions import RewardError
 
 PROMPTS = ["3142>", "907>", "55>", "1234>"]
 
@@ -25,12 +25,12 @@ class StepWatcher(RLHFModule):
         super().__init__(*args, **kwargs)
         self.steps: list[dict] = []
 
-    def optimizer_step(self, optimizer, scheduler, stats):
-        before, skipped_before = checksum(self.actor_critic), self.skipped_updates
+    def clip_and_step(self, stats):
+        before, skipped_before = checksum(self.actor_critic), self.state.skipped_updates
         try:
-            return super().optimizer_step(optimizer, scheduler, stats)
+            return super().clip_and_step(stats)
         finally:
-            self.steps.append({"skipped": self.skipped_updates > skipped_before,
+            self.steps.append({"skipped": self.state.skipped_updates > skipped_before,
                                "unchanged": checksum(self.actor_critic) == before,
                                "bad": sorted(k for k, v in stats.items() if not math.isfinite(v))})
 
@@ -79,8 +79,8 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(tokenizer):
     assert [s["unchanged"] for s in module.steps] == [True, True, False, False, False, False]
     assert "value/loss" in module.steps[0]["bad"]
     # global_step counts applied optimizer steps only: three rollouts to reach max_steps=4
-    assert trainer.global_step == module.policy_version == 4
-    assert module.skipped_updates == 2 and module.consecutive_skips == 0
+    assert trainer.global_step == module.state.policy_version == 4
+    assert module.state.skipped_updates == 2 and module.state.consecutive_skips == 0
     assert [row["optim/skipped_updates"] for row in logged.rows] == [2.0, 2.0, 2.0]
 
 
@@ -93,7 +93,7 @@ def test_consecutive_non_finite_steps_stop_with_an_error_naming_what(tokenizer, 
     )
     start = checksum(module.actor_critic)
     if fault == "loss":
-        from lit_rlhf import losses
+        from lit_rlhf.algorithms import losses
 
         clipped = losses.clipped_policy_loss
         monkeypatch.setattr(losses, "clipped_policy_loss",
@@ -182,7 +182,7 @@ def test_degenerate_rollouts_train_on_and_the_metrics_say_so(tokenizer, name, sc
     )
     logged = Logged()
     trainer = fit(module, max_steps=2, callbacks=[logged])
-    assert trainer.global_step == 2 and module.skipped_updates == 0  # training went on, nothing skipped
+    assert trainer.global_step == 2 and module.state.skipped_updates == 0  # training went on, nothing skipped
     for row in logged.rows:
         assert [k for k, v in row.items() if not math.isfinite(v)] == []  # no NaN / inf in any logged metric
         if scenario == "empty_responses":  # the response is the EOS alone

@@ -21,7 +21,7 @@ GRPO_ONLY = {"rollout/frac_reward_zero_std"}
 def test_event_file_holds_design_metrics(tokenizer, tmp_path, name):
     L.seed_everything(0)
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.builtin.sort_digits_reward"],
+        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
         algorithm=AlgorithmConfig(name=name, group_size=2, kl_coef=0.05),
         sampling=SamplingConfig(max_new_tokens=4), lr=1e-3, log_samples_every_n_steps=1,
     )
@@ -59,7 +59,7 @@ class StepMetrics(L.Callback):
 def test_metrics_written_every_n_steps_are_the_mean_of_the_steps_since_the_last_write(tokenizer, tmp_path):
     L.seed_everything(0)
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.builtin.sort_digits_reward"],
+        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
         algorithm=AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.05), sampling=SamplingConfig(max_new_tokens=4),
         lr=1e-2, warmup_steps=10, log_samples_every_n_steps=0,
     )

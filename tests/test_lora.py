@@ -12,12 +12,13 @@ from conftest import checksum, make_policy, make_trainer
 
 pytest.importorskip("peft")
 
+from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig  # noqa: E402
 from lit_rlhf.config import ConfigError  # noqa: E402
-from lit_rlhf.lora import AdapterDisabledReference, parameter_bytes  # noqa: E402
-from lit_rlhf.models import causal_lm_response_forward  # noqa: E402
+from lit_rlhf.models.lora import AdapterDisabledReference, parameter_bytes  # noqa: E402
+from lit_rlhf.models.actor_critic import causal_lm_response_forward  # noqa: E402
 
-REWARD = ["lit_rlhf.builtin.sort_digits_reward"]
+REWARD = ["lit_rlhf.tasks.digits.sort_digits_reward"]
 
 
 class Recorder(RLHFModule):
@@ -120,7 +121,7 @@ def test_lora_target_modules_that_do_not_exist():
 def _gradients(module: RLHFModule, exp) -> dict[str, torch.Tensor]:
     module.actor_critic.train()
     module.actor_critic.zero_grad(set_to_none=True)
-    totals = {"tokens": exp.loss_mask.sum().clamp(min=1), "sequences": exp.batch_size}
+    totals = MinibatchTotals.of(exp, module.sampling.max_new_tokens)
     loss, _ = module.micro_batch_loss(exp, totals)
     loss.backward()
     return {n: p.grad.clone() for n, p in module.actor_critic.named_parameters() if p.grad is not None}
@@ -141,7 +142,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, lora):
     base = policy.get_base_model() if lora is not None else policy
     assert getattr(base, "is_activation_checkpointing", None) or base.is_gradient_checkpointing
     torch.manual_seed(0)
-    exp, _ = plain.make_rollout(prompt_batch(tokenizer, ["3142>", "98>", "501>", "7>"]))
+    exp = plain.make_experience(plain.make_rollout(prompt_batch(tokenizer, ["3142>", "98>", "501>", "7>"]))[0])
     expected, got = _gradients(plain, exp), _gradients(checkpointed, exp)
     assert expected.keys() == got.keys() and len(expected) > 0
     for name in expected:  # the recompute runs the same kernels on the same shapes: bit-identical
@@ -156,7 +157,7 @@ def test_bf16_mixed_trains_on_cpu_and_first_ratio_is_one():
     module = lora_module("ppo", lora=None)
     before = checksum(module.actor_critic)
     fit(module, steps=4, precision="bf16-mixed")  # one rollout: 2 epochs x 2 minibatches
-    assert module.policy_version == 4 and checksum(module.actor_critic) != before
+    assert module.state.policy_version == 4 and checksum(module.actor_critic) != before
     exp = module.experiences[0]
     assert exp.old_logprobs.dtype == torch.float32 and torch.isfinite(exp.old_logprobs).all()
     first = module.last_update_stats[0]

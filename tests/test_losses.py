@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lit_rlhf import losses as L
+from lit_rlhf.algorithms import losses as L
 
 HYP = settings(max_examples=50, deadline=None)
 

@@ -11,10 +11,15 @@ import torch
 
 from conftest import EOS_ID, PAD_ID, make_policy, prompt_batch
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
-from lit_rlhf.models import ActorCritic, causal_lm_response_forward, frozen_copy, position_ids_from_mask
-from lit_rlhf.rewards import RewardComposer, RewardError, call_reward_fn
+from lit_rlhf.models.actor_critic import ActorCritic, causal_lm_response_forward, position_ids_from_mask
+from lit_rlhf.models.loading import frozen_copy
+from lit_rlhf.rewards.composer import RewardComposer
+from lit_rlhf.rewards.functions import RewardError, call_reward_fn
 from lit_rlhf.types import PromptBatch
-from lit_rlhf.rollout import collect_experience, compute_advantages, generate, response_mask_from_ids
+from lit_rlhf.algorithms import losses
+from lit_rlhf.algorithms.experience import compute_advantages, make_experience, policy_forward, reference_logits
+from lit_rlhf.rollout.collect import collect_rollout
+from lit_rlhf.rollout.generation import generate, response_mask_from_ids
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -234,7 +239,7 @@ def test_compute_advantages_group_estimators_match_hand_normalisation(estimator)
     algo = AlgorithmConfig(name="grpo", group_size=3, advantage_estimator=estimator)
     scores = torch.tensor([0.0, 1.0, 5.0, 2.0, 2.0, 2.0])
     kl = torch.rand(6, 5)  # GRPO keeps the KL out of the reward: must not matter
-    advantages, returns, _ = compute_advantages(algo, scores, kl, None, MASK)
+    advantages, returns = compute_advantages(algo, scores, kl, None, MASK)
     assert returns is None
     expected_per_seq = []
     for start in (0, 3):
@@ -285,14 +290,15 @@ def test_compute_advantages_ppo_matches_slow_gae_on_hand_built_rewards():
     kl = torch.randn(6, 5, generator=g)
     values = torch.randn(6, 5, generator=g) * 100  # garbage on padding must not leak
     algo = AlgorithmConfig(name="ppo", kl_coef=0.1, gamma=0.9, lam=0.8, whiten_advantages=False)
-    advantages, returns, total = compute_advantages(algo, scores, kl, values, MASK)
+    advantages, returns = compute_advantages(algo, scores, kl, values, MASK)
+    total = losses.token_rewards(scores, kl, MASK, 0.1).sum(1)  # the KL-penalised sequence reward
     exp_adv, exp_ret, exp_total = slow_gae(scores, kl, values, MASK, 0.1, 0.9, 0.8)
     torch.testing.assert_close(advantages, exp_adv, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(returns, exp_ret, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(total, exp_total, atol=1e-5, rtol=1e-5)
 
     # whitened: a positive affine map of the raw advantages with mean 0, std ~1 over valid tokens, 0 elsewhere
-    whitened, returns_w, _ = compute_advantages(AlgorithmConfig(name="ppo", kl_coef=0.1, gamma=0.9, lam=0.8),
+    whitened, returns_w = compute_advantages(AlgorithmConfig(name="ppo", kl_coef=0.1, gamma=0.9, lam=0.8),
                                                 scores, kl, values, MASK)
     torch.testing.assert_close(returns_w, exp_ret, atol=1e-4, rtol=1e-5)  # returns before whitening
     valid_raw, valid_w = exp_adv[MASK].double(), whitened[MASK].double()
@@ -308,13 +314,24 @@ def test_compute_advantages_ppo_without_kl_in_reward_uses_score_only():
     kl = torch.full((6, 5), 7.0)
     values = torch.zeros(6, 5)
     algo = AlgorithmConfig(name="ppo", kl_in_reward=False, gamma=1.0, lam=1.0, whiten_advantages=False)
-    advantages, returns, _ = compute_advantages(algo, scores, kl, values, MASK)
+    advantages, returns = compute_advantages(algo, scores, kl, values, MASK)
     # gamma = lambda = 1, V = 0: every valid token's advantage is the score (return-to-go)
     torch.testing.assert_close(advantages, scores[:, None] * MASK.float())
     torch.testing.assert_close(returns, scores[:, None] * MASK.float())
 
 
 # ----------------------------------------------------------------------------- collect_experience
+
+
+@torch.no_grad()
+def collect_experience(prompts, actor_critic, reference, reward_model, composer, tokenizer, algo, sampling,
+                       policy_version=0):
+    """Phases 2 and 3 of a training step outside a Trainer: rollout, then a no-grad evaluation."""
+    rollout, timings = collect_rollout(prompts, actor_critic.policy, tokenizer, composer, reward_model, algo,
+                                       sampling, policy_version)
+    ref_logits = reference_logits(reference, rollout) if reference is not None else None
+    sampling_policy = policy_forward(actor_critic, rollout, sampling.temperature)
+    return make_experience(rollout, algo, sampling_policy, ref_logits, sampling.temperature), timings
 
 
 def decode_by_hand(tok, ids: list[int]) -> str:

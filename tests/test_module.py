@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from conftest import checksum, make_policy, make_trainer, prompt_batch
+from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.types import split_rows
 
-REWARD = "lit_rlhf.builtin.sort_digits_reward"
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 
 
 def length_reward(prompts, responses, **meta):
@@ -68,11 +69,11 @@ def grads_of(module: RLHFModule) -> dict[str, torch.Tensor]:
 
 def minibatch_grads(module, exp, micro_rows: list[slice], own_totals: bool = False) -> dict[str, torch.Tensor]:
     module.actor_critic.zero_grad(set_to_none=True)
-    totals = {"tokens": exp.loss_mask.sum().clamp(min=1), "sequences": exp.batch_size}
+    totals = MinibatchTotals.of(exp, module.sampling.max_new_tokens)
     for rows in micro_rows:
         micro = exp.select(rows)
         if own_totals:  # the wrong way: normalise each micro-batch by its own counts
-            totals = {"tokens": micro.loss_mask.sum().clamp(min=1), "sequences": micro.batch_size}
+            totals = MinibatchTotals.of(micro, module.sampling.max_new_tokens)
         loss, _ = module.micro_batch_loss(micro, totals)
         loss.backward()
     return grads_of(module)
@@ -96,7 +97,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_minibatch(tokenizer, name,
     )
     texts = ["3142>", "907>", "55>", "1234>", "8>", "602>", "71>", "4>"]
     torch.manual_seed(5)
-    exp, _ = module.make_rollout(prompt_batch(tokenizer, texts[: 8 // module.algorithm.group_size]))
+    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, texts[: 8 // module.algorithm.group_size]))[0])
     assert exp.batch_size == 8
     lengths = exp.response_mask.sum(1)
     assert len(set(lengths.tolist())) > 1 and exp.loss_mask.any()  # uneven lengths make the modes differ
@@ -137,7 +138,7 @@ class GradientRecorder(RLHFModule):
         self.grad_records: list[dict[str, bool]] = []
         self.reference_records: list[tuple[bool, bool, bool]] = []
 
-    def optimizer_step(self, *args, **kwargs):
+    def clip_and_step(self, *args, **kwargs):
         self.grad_records.append({
             n: p.grad is not None and bool(p.grad.abs().sum() > 0)
             for n, p in self.actor_critic.named_parameters() if p.requires_grad
@@ -148,7 +149,7 @@ class GradientRecorder(RLHFModule):
             any(p.requires_grad for p in ref.parameters()),
             any(p.grad is not None for p in ref.parameters()),
         ))
-        return super().optimizer_step(*args, **kwargs)
+        return super().clip_and_step(*args, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
@@ -204,16 +205,16 @@ class FreshnessRecorder(RLHFModule):
 
     def make_rollout(self, prompts):
         at_sampling = checksum(self.actor_critic)
-        version = self.policy_version
-        experience, timings = super().make_rollout(prompts)
-        experience.sampled_with = (at_sampling, version)  # travels with this very rollout
-        return experience, timings
+        version = self.state.policy_version
+        rollout, timings = super().make_rollout(prompts)
+        self.sampled_with = (at_sampling, version)  # the rollout that the next on_experience sees
+        return rollout, timings
 
     def on_experience(self, experience):
         self.records.append(dict(
-            sampled=experience.sampled_with[0], sampled_version=experience.sampled_with[1],
+            sampled=self.sampled_with[0], sampled_version=self.sampled_with[1],
             at_update=checksum(self.actor_critic), exp_version=experience.policy_version,
-            version=self.policy_version, global_step=self.global_step,
+            version=self.state.policy_version, global_step=self.global_step,
         ))
 
 
@@ -236,7 +237,7 @@ def test_every_rollout_comes_from_the_weights_its_update_starts_from(tokenizer, 
         assert r["global_step"] == i * updates_per_rollout
     # the weights really moved between rollouts, so a stale rollout could not pass unnoticed
     assert len({r["sampled"] for r in records}) == 5
-    assert module.policy_version == trainer.global_step == 10
+    assert module.state.policy_version == trainer.global_step == 10
 
 
 # ----------------------------------------------------------------------------- drop-in use
@@ -285,7 +286,7 @@ def test_drop_in_with_users_model_tokenizer_and_python_reward(tokenizer):
 def test_reward_callables_are_recorded_by_name_in_hparams():
     import functools
 
-    from lit_rlhf.builtin import sort_digits_reward
+    from lit_rlhf.tasks.digits import sort_digits_reward
 
     module = RLHFModule(
         policy="builtin:digits",
@@ -293,8 +294,8 @@ def test_reward_callables_are_recorded_by_name_in_hparams():
     )
     assert module.actor_critic is None  # names are loaded lazily, by the Trainer
     assert module.hparams["reward_fns"] == [
-        "lit_rlhf.builtin.sort_digits_reward",
-        "lit_rlhf.builtin.sort_digits_reward",
+        "lit_rlhf.tasks.digits.sort_digits_reward",
+        "lit_rlhf.tasks.digits.sort_digits_reward",
         f"{__name__}.LengthReward",
         "functools.partial",
     ]

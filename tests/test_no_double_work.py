@@ -9,7 +9,7 @@ import torch
 from conftest import make_policy, make_trainer
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 
-REWARD = "lit_rlhf.builtin.sort_digits_reward"
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 
 
 class ForwardCounter(RLHFModule):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from lit_rlhf.builtin import builtin_policy, builtin_tokenizer
+from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -31,5 +31,5 @@ def test_readme_drop_in_example_trains(tmp_path, monkeypatch):
 
     module, trainer = namespace["module"], namespace["trainer"]
     assert trainer.global_step == 10
-    assert module.policy_version == 10  # ten optimizer updates applied (one per rollout with these settings)
+    assert module.state.policy_version == 10  # ten optimizer updates applied (one per rollout with these settings)
     assert (tmp_path / "lightning_logs").is_dir()

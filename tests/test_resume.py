@@ -20,9 +20,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from conftest import checksum
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.checkpoint import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
+from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
 
-REWARD = "lit_rlhf.builtin.sort_digits_reward"
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 ROOT = Path(__file__).resolve().parents[1]
 UNTIMED = ("time/", "perf/")  # wall-clock metrics differ between any two runs
 
@@ -99,7 +99,7 @@ def test_interrupted_run_resumed_from_its_checkpoint_matches_the_uninterrupted_r
     trainer2.fit(resumed, data2, ckpt_path=ckpt)
     assert trainer2.global_step == steps
     assert checksum(resumed.actor_critic) == checksum(module.actor_critic)
-    assert (resumed.policy_version, resumed.skipped_updates) == (module.policy_version, module.skipped_updates)
+    assert (resumed.state.policy_version, resumed.state.skipped_updates) == (module.state.policy_version, module.state.skipped_updates)
     assert data2.state_dict() == data.state_dict()
     # every metric the resumed run logged equals the uninterrupted run's at the same step
     assert sorted(second.by_step) == [6, 8]
@@ -131,7 +131,7 @@ def test_train_py_resumes_with_ckpt_path_last(tmp_path, monkeypatch):
 
     second = train.main(common + ["--trainer.max_steps", "8"])
     assert Path(second.trainer.ckpt_path) == last  # it resumed from the file the first run left
-    assert second.trainer.global_step == 8 and second.model.policy_version == 8
+    assert second.trainer.global_step == 8 and second.model.state.policy_version == 8
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == 8
     assert saved["RolloutDataModule"] == {"prompt_stream": {"rows_consumed": 8}}  # 2 rollouts x 4 prompts
@@ -152,7 +152,7 @@ def fit_and_checkpoint(module: RLHFModule, ckpt_dir: Path) -> Path:
 def test_frozen_weights_rebuilt_from_folders_are_left_out_and_put_back(tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from lit_rlhf.builtin import builtin_policy, builtin_reward_model, builtin_tokenizer
+    from lit_rlhf.tasks.digits import builtin_policy, builtin_reward_model, builtin_tokenizer
 
     torch.manual_seed(0)
     policy_dir, rm_dir = tmp_path / "policy", tmp_path / "reward_model"
@@ -214,7 +214,7 @@ KILLED_TRAINER = textwrap.dedent(
     torch.set_num_threads(1)
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    import lit_rlhf.checkpoint as ckpt_io
+    import lit_rlhf.training.checkpoint_io as ckpt_io
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 
     out, slow_save = sys.argv[1], int(sys.argv[2])
@@ -237,7 +237,7 @@ KILLED_TRAINER = textwrap.dedent(
 
     ckpt_io.write_checkpoint = slow_write
     L.seed_everything(0)
-    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.builtin.sort_digits_reward"],
+    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
                         algorithm=AlgorithmConfig(name="grpo", group_size=2), sampling=SamplingConfig(max_new_tokens=4))
     trainer = L.Trainer(max_steps=100, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, plugins=[ckpt_io.AtomicCheckpointIO()],
@@ -290,5 +290,5 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_loadable(
     trainer.fit(module, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16),
                 ckpt_path="last")
     assert Path(trainer.ckpt_path) == ckpt_dir / "last.ckpt"
-    assert trainer.global_step == 3 and module.policy_version == 3
+    assert trainer.global_step == 3 and module.state.policy_version == 3
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 3

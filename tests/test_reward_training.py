@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from conftest import make_trainer
-from lit_rlhf.builtin import builtin_reward_model, sort_digits_score
+from lit_rlhf.tasks.digits import builtin_reward_model, sort_digits_score
 from lit_rlhf.config import ConfigError
-from lit_rlhf.make_preferences import VAL_SEED_OFFSET, digits_preference_pairs
-from lit_rlhf.reward_training import (
+from lit_rlhf.rewards.training import HELD_OUT_SEED_OFFSET as VAL_SEED_OFFSET
+from lit_rlhf.tasks.digits import digits_preference_pairs
+from lit_rlhf.rewards.training import (
     PairCollator,
     PreferenceDataModule,
     RewardModelModule,
@@ -66,7 +67,7 @@ def test_builtin_pairs_are_labelled_by_the_rule_and_reproducible():
 
 
 def test_make_preferences_writes_files_the_datamodule_reads(tmp_path):
-    from lit_rlhf.make_preferences import main
+    from make_preferences import main
 
     main(["--out", str(tmp_path), "--train", "40", "--val", "8", "--seed", "1"])
     train = read_preference_file(str(tmp_path / "train.jsonl"))
@@ -189,7 +190,7 @@ def test_cli_trains_a_reward_model_and_ppo_config_uses_its_folder(tmp_path, monk
     from lightning.pytorch.cli import LightningCLI
 
     from lit_rlhf import RLHFModule, RolloutDataModule
-    from lit_rlhf.train_reward import main
+    from lit_rlhf.cli import reward_main as main
 
     monkeypatch.chdir(tmp_path)
     quiet = ["--trainer.logger=false", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
@@ -241,5 +242,5 @@ def test_reward_model_with_another_tokenizer_is_an_error_unless_its_tokenizer_is
     module = RLHFModule(**settings, reward_tokenizer=folder)  # texts are re-tokenised for the reward model
     letters.padding_side = "left"
     enc = letters(["abc>", "z>"], padding=True, return_tensors="pt")
-    exp, _ = module.make_rollout(PromptBatch(enc["input_ids"], enc["attention_mask"], ["abc>", "z>"], {}))
+    exp = module.make_experience(module.make_rollout(PromptBatch(enc["input_ids"], enc["attention_mask"], ["abc>", "z>"], {}))[0])
     assert exp.scores.shape == (4,) and torch.isfinite(exp.scores).all()

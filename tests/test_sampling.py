@@ -1,4 +1,4 @@
-"""The lean sampling loop (`lit_rlhf.sampling`) against Hugging Face `generate`, by hand examples and a stub."""
+"""The lean sampling loop (`lit_rlhf.rollout.sampler`) against Hugging Face `generate`, by hand examples and a stub."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from lit_rlhf import losses
-from lit_rlhf.builtin import builtin_policy, builtin_tokenizer
+from lit_rlhf.algorithms import losses
+from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 from lit_rlhf.config import ConfigError, SamplingConfig
-from lit_rlhf.models import causal_lm_response_forward, position_ids_from_mask
-from lit_rlhf.rollout import generate
-from lit_rlhf.sampling import mask_logits, sample
+from lit_rlhf.models.actor_critic import causal_lm_response_forward, position_ids_from_mask
+from lit_rlhf.rollout.generation import generate
+from lit_rlhf.rollout.sampler import mask_logits, sample
 from lit_rlhf.types import PromptBatch
 
 PROMPTS = ["3142>", "907>", "55>", "98765>"]

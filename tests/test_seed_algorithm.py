@@ -6,8 +6,9 @@ import math
 import torch
 
 from conftest import make_policy, prompt_batch
+from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf import AlgorithmConfig, RLHFModule, SamplingConfig
-from lit_rlhf.models import causal_lm_response_forward
+from lit_rlhf.models.actor_critic import causal_lm_response_forward
 
 SEED_SETTINGS = dict(
     name="ppo", clip_eps_low=1e9, clip_eps_high=1e9, value_clip=None, kl_estimator="full", kl_in_reward=True,
@@ -17,15 +18,15 @@ SEED_SETTINGS = dict(
 
 def test_seed_settings_give_plain_ratio_loss_plus_value_mse(tokenizer):
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.builtin.sort_digits_reward"],
+        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
         algorithm=AlgorithmConfig(**SEED_SETTINGS), sampling=SamplingConfig(max_new_tokens=5),
     )
-    exp, _ = module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))
+    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])
     with torch.no_grad():  # move the policy so the ratio is not 1
         for p in module.actor_critic.parameters():
             p.add_(0.05 * torch.randn_like(p))
 
-    loss, _ = module.micro_batch_loss(exp, {"tokens": exp.loss_mask.sum(), "sequences": exp.batch_size})
+    loss, _ = module.micro_batch_loss(exp, MinibatchTotals.of(exp, module.sampling.max_new_tokens))
 
     # by hand, token by token: new log-probs and values from a plain forward of each sequence
     with torch.no_grad():
@@ -47,13 +48,13 @@ def test_seed_settings_give_plain_ratio_loss_plus_value_mse(tokenizer):
 
 def test_seed_rewards_use_the_exact_kl_over_the_vocabulary(tokenizer):
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.builtin.sort_digits_reward"],
+        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
         algorithm=AlgorithmConfig(**SEED_SETTINGS), sampling=SamplingConfig(max_new_tokens=5),
     )
     with torch.no_grad():  # a reference different from the policy
         for p in module.reference.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    exp, _ = module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))
+    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])
     with torch.no_grad():
         logits, _ = module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
         ref_logits, _ = causal_lm_response_forward(module.reference, exp.input_ids(), exp.attention_mask(),

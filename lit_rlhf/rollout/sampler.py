@@ -1,4 +1,4 @@
-"""A lean sampling loop with a KV cache: the 'lean' rollout backend.
+"""A lean sampling loop with a KV cache: the 'lean' generation backend.
 
 It does what Hugging Face `generate(do_sample=True)` does for one causal LM and nothing else: one prefill
 forward over the left-padded prompts, then one forward per new token through the model's KV cache, with
@@ -145,27 +145,3 @@ def sample(
         steps = max(steps, 1)
     response_ids = tokens[:, :steps]
     return SampleOutput(response_ids, logprobs[:, :steps] if logprobs is not None else None)
-
-
-@torch.no_grad()
-def lean_generate(
-    policy: nn.Module,
-    prompts: Any,
-    group_size: int,
-    sampling: Any,
-    eos_token_id: int,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-):
-    """`rollout.generate` with the lean loop: `group_size` responses per prompt -> `rollout.Generation`."""
-    from lit_rlhf.rollout import Generation, response_mask_from_ids
-
-    prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
-    prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
-    out = sample(
-        policy, prompt_ids, prompt_mask, sampling.max_new_tokens, eos_token_id, pad_token_id,
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, generator=generator,
-    )
-    response_mask, truncated = response_mask_from_ids(out.response_ids, eos_token_id)
-    response_ids = torch.where(response_mask, out.response_ids, torch.full_like(out.response_ids, pad_token_id))
-    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated)

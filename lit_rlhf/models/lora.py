@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.models.actor_critic import accepts_argument
 
 LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
 _RENAMED = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
@@ -90,9 +91,7 @@ class AdapterDisabledReference(nn.Module):
         **kwargs: Any,
     ):
         """The policy's forward with the adapters off (same arguments and outputs as the policy)."""
-        from lit_rlhf.models import _accepts
-
-        if logits_to_keep and _accepts(self.policy, "logits_to_keep"):
+        if logits_to_keep and accepts_argument(self.policy, "logits_to_keep"):
             kwargs["logits_to_keep"] = logits_to_keep
         with self.policy.disable_adapter():
             return self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

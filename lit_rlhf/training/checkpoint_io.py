@@ -14,24 +14,19 @@ Use it with `Trainer(plugins=[AtomicCheckpointIO()])`, or in YAML:
 
     trainer:
       plugins:
-        - class_path: lit_rlhf.checkpoint.AtomicCheckpointIO
+        - class_path: lit_rlhf.AtomicCheckpointIO
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lit_rlhf.config import ConfigError
-
-# ModelCheckpoint warns under manual optimisation that the checkpoint holds the weights *after* the optimizer
-# step; for RLHF that is exactly the state to resume from (the step is complete, rollouts are regenerated).
-warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
 
 TMP_MARKER = ".tmp-"
 

@@ -2,11 +2,11 @@
 
 `RewardModelModule` trains an `AutoModelForSequenceClassification` with one output; the score of a text is
 read at its last non-pad token (the same `SequenceRewardModel.score_ids` that PPO uses), so what is trained is
-what PPO reads. `PreferenceDataModule` reads JSONL rows `{"prompt", "chosen", "rejected"}` (or makes the
-built-in digits set in memory). At the end of `fit` the model and tokenizer are written with
+what PPO reads. `PreferenceDataModule` reads JSONL rows `{"prompt", "chosen", "rejected"}` (or makes a
+built-in task's set in memory, e.g. `builtin:digits`). At the end of `fit` the model and tokenizer are written with
 `save_pretrained` to `save_dir`, the folder a PPO config then names: `model.reward_model: <save_dir>`.
 
-    python -m lit_rlhf.train_reward fit --config configs/reward_model.yaml
+    lit-rlhf-reward fit --config configs/reward_model.yaml
     python train.py fit --config configs/ppo_reward_model.yaml
 
 End of sequence: by default an EOS token is appended to every `prompt + response`, because PPO reads the
@@ -27,13 +27,17 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
+from lit_rlhf.algorithms.losses import last_token_index
 from lit_rlhf.config import ConfigError
-from lit_rlhf.data import jsonl_objects
-from lit_rlhf.losses import last_token_index
-from lit_rlhf.models import BUILTIN_PREFIX, _check_local_path, is_builtin, load_tokenizer
-from lit_rlhf.rewards import SequenceRewardModel
+from lit_rlhf.data.sources import jsonl_objects
+from lit_rlhf.models.loading import data_tokenizer, load_sequence_classifier, load_tokenizer
+from lit_rlhf.registry import get_task, is_builtin
+from lit_rlhf.rewards.reward_model import SequenceRewardModel
+from lit_rlhf.training.schedules import warmup_then_decay
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
+# A built-in validation set draws from a different stream, so held-out pairs are not the training pairs.
+HELD_OUT_SEED_OFFSET = 1_000_003
 
 
 def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> Tensor:
@@ -69,14 +73,12 @@ def read_preference_file(path: str, field: str = "data.train") -> list[dict[str,
 
 
 def load_preferences(source: str | list, field: str, count: int, seed: int) -> list[dict[str, str]]:
-    """Rows from 'builtin:digits' (`count` generated pairs from `seed`), a .jsonl file, or a list of dicts."""
+    """Rows from 'builtin:<task>' (`count` generated pairs from `seed`), a .jsonl file, or a list of dicts."""
     if is_builtin(source):
-        from lit_rlhf.make_preferences import digits_preference_pairs
-
-        task = source[len(BUILTIN_PREFIX) :]
-        if task != "digits":
-            raise ConfigError(f"{field}: unknown built-in preference set {source!r}; available: builtin:digits")
-        return digits_preference_pairs(count, seed)
+        make_pairs = get_task(source, field).preference_pairs
+        if make_pairs is None:
+            raise ConfigError(f"{field}: the built-in task {source!r} has no preference pairs")
+        return make_pairs(count, seed)
     if isinstance(source, str):
         return read_preference_file(source, field)
     rows = list(source)
@@ -134,7 +136,7 @@ class PreferenceDataModule(L.LightningDataModule):
     """Preference pairs for `RewardModelModule`.
 
     Args:
-        train: 'builtin:digits' (pairs generated and labelled by a rule, see `lit_rlhf.make_preferences`),
+        train: 'builtin:digits' (pairs generated and labelled by a rule, see `lit_rlhf.tasks.digits`),
             or a .jsonl file of {"prompt", "chosen", "rejected"} rows.
         val: held-out pairs, same forms; None: no validation.
         batch_size: pairs per step (each step scores 2 x batch_size texts).
@@ -160,8 +162,6 @@ class PreferenceDataModule(L.LightningDataModule):
         num_workers: int = 0,
     ):
         super().__init__()
-        from lit_rlhf.make_preferences import VAL_SEED_OFFSET
-
         if batch_size < 1:
             raise ConfigError(f"data.batch_size: must be >= 1, got {batch_size}")
         if max_length < 2:
@@ -171,17 +171,10 @@ class PreferenceDataModule(L.LightningDataModule):
         # read (and check) the files now, before any model is loaded
         self.train_rows = load_preferences(train, "data.train", num_builtin_train, seed)
         self.val_rows = None if val is None else load_preferences(val, "data.val", num_builtin_val,
-                                                                  seed + VAL_SEED_OFFSET)
+                                                                  seed + HELD_OUT_SEED_OFFSET)
 
     def setup(self, stage: str) -> None:
-        tokenizer = self.tokenizer
-        if tokenizer is None:
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            tokenizer = getattr(module, "tokenizer", None)
-            if tokenizer is None:
-                raise ConfigError("data.tokenizer: no tokenizer given and the module has none; pass one")
-        elif not hasattr(tokenizer, "pad_token_id"):
-            tokenizer = load_tokenizer(tokenizer, "data.tokenizer")
+        tokenizer = data_tokenizer(self.tokenizer, self.trainer)
         self.collate = PairCollator(tokenizer, self.max_length, self.append_eos)
 
     def train_dataloader(self) -> DataLoader:
@@ -197,23 +190,6 @@ class PreferenceDataModule(L.LightningDataModule):
 
 
 # ----------------------------------------------------------------------------- model
-
-
-def load_sequence_classifier(spec: Any, field: str = "model.model", trust_remote_code: bool = False) -> nn.Module:
-    """A one-output sequence classifier from 'builtin:digits', a folder/model name, or an instance."""
-    if is_builtin(spec):
-        from lit_rlhf.builtin import builtin_reward_model
-
-        return builtin_reward_model(spec[len(BUILTIN_PREFIX) :])
-    if isinstance(spec, str):
-        from transformers import AutoModelForSequenceClassification
-
-        _check_local_path(spec, field)
-        return AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1,
-                                                                  trust_remote_code=trust_remote_code)
-    if not isinstance(spec, nn.Module):
-        raise ConfigError(f"{field}: expected a model name, a folder or a transformers model, got {type(spec)!r}")
-    return spec
 
 
 class RewardModelModule(L.LightningModule):
@@ -317,8 +293,7 @@ class RewardModelModule(L.LightningModule):
         optimizer = torch.optim.AdamW(params, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
         if not self.warmup_steps:
             return optimizer
-        warmup = self.warmup_steps
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay("constant", self.warmup_steps, None))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def save(self, folder: str) -> None:

@@ -1,18 +1,20 @@
-"""The metrics of a training step (DESIGN §4) and their averaging between log writes."""
+"""The metrics of a training step (docs/design.md, Metrics), their averaging between log writes, and the
+samples table."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from lit_rlhf import losses
+from lit_rlhf.algorithms import losses
 from lit_rlhf.config import AlgorithmConfig
 from lit_rlhf.types import Experience
 
 
 def rollout_metrics(exp: Experience, algo: AlgorithmConfig) -> dict[str, float]:
-    """DESIGN §4 rollout and objective metrics of one experience."""
+    """The rollout and objective metrics of one experience."""
     mask = exp.response_mask
     metrics = {
         "rollout/score_mean": float(exp.scores.mean()),
@@ -58,3 +60,23 @@ class MetricWindow:
     def values(self) -> dict[str, float]:
         return {key: self._last[key] if key in self.last_value_keys else total / self._counts[key]
                 for key, total in self._sums.items()}
+
+
+def mean_over(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's mean over `rows` (all with the same keys)."""
+    return {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}
+
+
+def trainer_writes_logs(trainer: Any, step: int) -> bool:
+    """Whether the Trainer writes logged metrics at training batch `step` (1-based, counted over the whole
+    run): every `log_every_n_steps` batches and when it is about to stop, as Lightning decides it."""
+    every = trainer.log_every_n_steps
+    return bool(every) and (step % every == 0 or trainer.should_stop)
+
+
+def samples_table(exp: Experience, group_size: int, count: int = 4) -> str:
+    """A markdown table of prompts, responses and scores, one row from each of `count` different prompts."""
+    lines = ["| prompt | response | score |", "|---|---|---|"]
+    for i in list(range(0, exp.batch_size, group_size))[:count]:
+        lines.append(f"| `{exp.prompts[i]}` | `{exp.responses[i]}` | {float(exp.scores[i]):.3f} |")
+    return "\n".join(lines)

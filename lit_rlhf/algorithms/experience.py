@@ -1,0 +1,92 @@
+"""A scored rollout becomes an `Experience`: the sampling policy's log-probs and values, the reference's
+log-probs, the per-token KL, and the advantages. The only place PPO and GRPO branch.
+
+Formulas (and their papers) are in `losses`; this file only decides which of them a setting uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lit_rlhf.algorithms import losses
+from lit_rlhf.config import AlgorithmConfig
+from lit_rlhf.models.actor_critic import ActorCritic, causal_lm_response_forward
+from lit_rlhf.types import Experience, Rollout
+
+
+@dataclass
+class PolicyForward:
+    """The actor-critic's outputs on the response grid."""
+
+    logits: Tensor  # (B, T, V) in the model's dtype
+    values: Tensor | None  # (B, T) float32; None without a critic
+    logprobs: Tensor  # (B, T) float32, log-probs of the sampled response tokens at the sampling temperature
+
+    def detach(self) -> PolicyForward:
+        values = self.values.detach() if self.values is not None else None
+        return PolicyForward(self.logits.detach(), values, self.logprobs.detach())
+
+
+def policy_forward(actor_critic: ActorCritic, rollout: Rollout, temperature: float) -> PolicyForward:
+    """One actor-critic forward over prompt + response (with grad when grad is enabled)."""
+    logits, values = actor_critic(rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1])
+    return PolicyForward(logits, values, losses.logprobs_from_logits(logits, rollout.response_ids, temperature))
+
+
+@torch.no_grad()
+def reference_logits(reference: nn.Module, rollout: Rollout) -> Tensor:
+    """The reference policy's logits on the response grid: (B, T, V)."""
+    logits, _ = causal_lm_response_forward(reference, rollout.input_ids(), rollout.attention_mask(),
+                                           rollout.response_ids.shape[1])
+    return logits
+
+
+def compute_advantages(
+    algo: AlgorithmConfig, scores: Tensor, kl: Tensor | None, values: Tensor | None, mask: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """Advantages (B, T) and returns (B, T) or None.
+
+    PPO: token rewards = score at the last token - beta*KL (when the KL is in the reward), then GAE, then
+    whitening. GRPO family: group-normalised scores (or KL-penalised sequence rewards) broadcast over tokens.
+    """
+    maskf = mask.float()
+    kl_in_reward = kl if (kl is not None and algo.kl_in_reward) else torch.zeros_like(maskf)
+    rewards = losses.token_rewards(scores, kl_in_reward, mask, algo.kl_coef)  # (B, T)
+    if algo.advantage_estimator == "gae":
+        if values is None:
+            raise ValueError("compute_advantages: GAE needs the critic's values")
+        advantages, returns = losses.gae_advantages(rewards, values, mask, algo.gamma, algo.lam)
+        if algo.whiten_advantages:
+            advantages = losses.masked_whiten(advantages, mask)
+        return advantages, returns
+    seq_scores = rewards.sum(dim=1) if algo.kl_in_reward else scores.float()  # (B,)
+    per_seq = losses.group_advantages(seq_scores, algo.group_size, algo.advantage_estimator, algo.group_eps)
+    return per_seq[:, None] * maskf, None
+
+
+def make_experience(
+    rollout: Rollout,
+    algo: AlgorithmConfig,
+    sampling_policy: PolicyForward,
+    ref_logits: Tensor | None,
+    temperature: float,
+) -> Experience:
+    """The complete experience of `rollout` from the sampling policy's (detached) forward and the reference's
+    logits ((B, T, V), None without a reference)."""
+    policy = sampling_policy.detach()
+    ref_logprobs = kl = None
+    if ref_logits is not None:
+        ref_logprobs = losses.logprobs_from_logits(ref_logits, rollout.response_ids, temperature)
+        if algo.kl_estimator == "full":
+            kl = losses.full_kl_from_logits(policy.logits, ref_logits, temperature)
+        else:
+            kl = losses.kl_from_logprobs(policy.logprobs, ref_logprobs, algo.kl_estimator)
+    advantages, returns = compute_advantages(algo, rollout.scores, kl, policy.values, rollout.response_mask)
+    loss_mask = rollout.response_mask & ~(rollout.truncated[:, None] & algo.mask_truncated)
+    fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    return Experience(**fields, loss_mask=loss_mask, old_logprobs=policy.logprobs, advantages=advantages,
+                      ref_logprobs=ref_logprobs, kl=kl, values=policy.values, returns=returns)

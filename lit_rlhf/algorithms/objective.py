@@ -1,0 +1,100 @@
+"""The loss of one micro-batch: clipped policy loss + vf_coef * value loss (+ kl_coef * KL when it is in the
+loss) - entropy_coef * entropy, with its statistics.
+
+Every term is normalised by its *minibatch's* totals (`MinibatchTotals`), so the losses of a minibatch's
+micro-batches add up exactly to the loss of the whole minibatch (as veRL's `agg_loss` does), and so do the
+token-share statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from lit_rlhf.algorithms import losses
+from lit_rlhf.algorithms.experience import PolicyForward
+from lit_rlhf.config import AlgorithmConfig
+from lit_rlhf.types import Experience
+
+
+@dataclass(frozen=True)
+class MinibatchTotals:
+    """What a micro-batch's loss is normalised by: its minibatch's totals."""
+
+    tokens: Tensor  # () float: valid loss tokens of the minibatch, at least 1
+    sequences: int  # rows of the minibatch
+    max_new_tokens: int  # the constant length of Dr.GRPO's `seq_mean_token_sum_norm`
+
+    @classmethod
+    def of(cls, minibatch: Experience, max_new_tokens: int) -> MinibatchTotals:
+        return cls(minibatch.loss_mask.sum().clamp(min=1), minibatch.batch_size, max_new_tokens)
+
+
+def ppo_objective(
+    current: PolicyForward,
+    mb: Experience,
+    algo: AlgorithmConfig,
+    totals: MinibatchTotals,
+    temperature: float,
+    ref_logits: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The loss of micro-batch `mb` under the current policy's forward, and its statistics (each this
+    micro-batch's share of the minibatch value, so they add up over micro-batches).
+
+    ref_logits: (B, T, V) reference logits, needed only for the exact KL (`kl_estimator: full`) in the loss.
+    """
+    mask = mb.loss_mask
+
+    def aggregate(per_token: Tensor) -> Tensor:
+        return losses.aggregate_loss(per_token, mask, algo.loss_aggregation, totals.tokens, totals.sequences,
+                                     totals.max_new_tokens)
+
+    def token_share(per_token: Tensor) -> float:
+        return float(losses.masked_sum(per_token.detach().float(), mask) / totals.tokens)
+
+    policy_tokens, clipped = losses.clipped_policy_loss(
+        current.logprobs, mb.old_logprobs, mb.advantages, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip
+    )
+    policy_loss = aggregate(policy_tokens)
+    loss = policy_loss
+    log_ratio = (current.logprobs - mb.old_logprobs).detach()
+    stats = {"policy/loss": float(policy_loss.detach()),
+             "policy/clipfrac": token_share(clipped.float()),
+             "policy/approx_kl": token_share(0.5 * log_ratio**2),
+             "policy/ratio_mean": token_share(log_ratio.exp())}
+    if current.values is not None:
+        if mb.values is None or mb.returns is None:
+            raise ValueError("ppo_objective: a critic's loss needs the experience's values and returns")
+        value_tokens, value_clipped = losses.clipped_value_loss(current.values, mb.values, mb.returns,
+                                                                algo.value_clip)
+        value_loss = aggregate(value_tokens)
+        loss = loss + algo.vf_coef * value_loss
+        stats["value/loss"] = float(value_loss.detach())
+        stats["value/clipfrac"] = token_share(value_clipped.float())
+    if algo.uses_reference and not algo.kl_in_reward:
+        kl_loss = aggregate(kl_to_reference(current, mb, algo.kl_estimator, temperature, ref_logits))
+        loss = loss + algo.kl_coef * kl_loss
+        stats["policy/kl_loss"] = float(kl_loss.detach())
+    entropy = losses.entropy_from_logits(current.logits if algo.entropy_coef else current.logits.detach(),
+                                         temperature)
+    if algo.entropy_coef:
+        loss = loss - algo.entropy_coef * aggregate(entropy)
+    stats["objective/entropy"] = token_share(entropy)
+    return loss, stats
+
+
+def kl_to_reference(
+    current: PolicyForward, mb: Experience, estimator: str, temperature: float, ref_logits: Tensor | None
+) -> Tensor:
+    """Per-token KL of the current policy to the reference, differentiable: (B, T)."""
+    if estimator == "full":
+        if ref_logits is None:
+            raise ValueError("kl_to_reference: the exact KL needs the reference's logits")
+        return losses.full_kl_from_logits(current.logits, ref_logits, temperature)
+    if mb.ref_logprobs is None:
+        raise ValueError("kl_to_reference: the experience has no reference log-probs")
+    return losses.kl_from_logprobs(current.logprobs, mb.ref_logprobs, estimator)
+
+
+__all__ = ["MinibatchTotals", "kl_to_reference", "ppo_objective"]

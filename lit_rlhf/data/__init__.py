@@ -1,0 +1,1 @@
+"""Prompts in: sources (files, lists, built-in tasks), tokenisation, and the rollout DataModule."""

@@ -1,0 +1,1 @@
+"""Sampling and scoring: the lean KV-cache sampler, the generation backends, and `collect_rollout`."""

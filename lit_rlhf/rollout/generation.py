@@ -1,0 +1,95 @@
+"""Generation: `group_size` responses per prompt from either backend, with one shared post-processing
+(response mask up to the first EOS, pad after it, truncation flags), and decoding to text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lit_rlhf.config import SamplingConfig
+from lit_rlhf.rollout.sampler import sample
+from lit_rlhf.types import PromptBatch
+
+
+@dataclass
+class Generation:
+    """Sampled responses on the response grid."""
+
+    prompt_ids: Tensor  # (B, P) left padded, each prompt repeated G times
+    prompt_mask: Tensor  # (B, P)
+    response_ids: Tensor  # (B, T) right padded with pad after the first EOS
+    response_mask: Tensor  # (B, T) bool, up to and including the first EOS
+    truncated: Tensor  # (B,) bool, no EOS within the limit
+
+
+def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+    """(B, T) ids -> mask (B, T) bool up to and including the first EOS, truncated (B,) bool."""
+    is_eos = response_ids == eos_token_id
+    eos_seen_before = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly earlier
+    mask = ~eos_seen_before
+    truncated = ~is_eos.any(dim=1)
+    return mask, truncated
+
+
+@torch.no_grad()
+def generate(
+    policy: nn.Module,
+    prompts: PromptBatch,
+    group_size: int,
+    sampling: SamplingConfig,
+    eos_token_id: int,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Sample `group_size` responses per prompt (KV cache, stops at EOS).
+
+    `sampling.backend` 'lean' runs `lit_rlhf.rollout.sampler.sample` (it alone uses `generator`; None: the
+    global RNG); 'generate' runs Hugging Face `generate` (global RNG). Both draw the same tokens for a seed.
+    """
+    prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
+    prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
+    if sampling.backend == "lean":
+        raw = sample(
+            policy, prompt_ids, prompt_mask, sampling.max_new_tokens, eos_token_id, pad_token_id,
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, generator=generator,
+        ).response_ids
+    else:
+        raw = hf_generate(policy, prompt_ids, prompt_mask, sampling, eos_token_id, pad_token_id)
+    response_mask, truncated = response_mask_from_ids(raw, eos_token_id)
+    response_ids = torch.where(response_mask, raw, torch.full_like(raw, pad_token_id))
+    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated)
+
+
+def hf_generate(
+    policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig, eos_token_id: int,
+    pad_token_id: int,
+) -> Tensor:
+    """Hugging Face `generate(do_sample=True)`: (B, P) left-padded prompts -> (B, T) raw response ids."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        do_sample=True,
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k if sampling.top_k > 0 else None,
+        top_p=sampling.top_p,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return out[:, prompt_ids.shape[1] :]
+
+
+def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:
+    """Response texts up to (not including) the first EOS.
+
+    Other special tokens the policy produced stay in the text, so a reward function sees exactly what was
+    generated (skipping them would let a policy pad its answer with invisible tokens).
+    """
+    keep = response_mask & (response_ids != tokenizer.eos_token_id)
+    rows = [ids[k].tolist() for ids, k in zip(response_ids.cpu(), keep.cpu())]
+    return tokenizer.batch_decode(rows, skip_special_tokens=False)

@@ -1,0 +1,106 @@
+"""What an exact resume needs besides the weights and the optimizer: the training counters, the update's
+shuffling generator, and every rank's RNG streams; and which frozen weights a checkpoint may leave out.
+
+Stored under `checkpoint["lit_rlhf"]`; everything is a tensor, number or list, so the file loads with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+CHECKPOINT_KEY = "lit_rlhf"
+
+
+@dataclass
+class TrainingState:
+    """Counters that advance with training, restored exactly on resume."""
+
+    policy_version: int = 0  # optimizer updates applied so far
+    rollouts_done: int = 0  # training steps (rollouts) consumed so far
+    skipped_updates: int = 0  # optimizer steps skipped for non-finite values
+    consecutive_skips: int = 0
+    update_generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+    rng_restored_per_rank: bool = False  # a checkpoint gave this rank its own RNG state
+
+    def skip_update(self, bad: dict[str, float], max_consecutive: int, global_step: int) -> None:
+        """Count an optimizer step skipped for the non-finite values `bad`; raise after `max_consecutive` in a
+        row, naming them."""
+        self.skipped_updates += 1
+        self.consecutive_skips += 1
+        if self.consecutive_skips >= max_consecutive:
+            raise FloatingPointError(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped because values went non-finite; "
+                f"last: {bad} at global step {global_step} (policy version {self.policy_version}). Lower the "
+                "learning rate, check the reward scale, or use bf16/fp32."
+            )
+
+    def to_checkpoint(self, strategy: Any | None, world_size: int) -> dict[str, Any]:
+        """The state and this process's RNG; with several ranks every rank's RNG, gathered (a collective:
+        every rank must call it)."""
+        saved: dict[str, Any] = {
+            "policy_version": self.policy_version,
+            "rollouts_done": self.rollouts_done,
+            "skipped_updates": self.skipped_updates,
+            "consecutive_skips": self.consecutive_skips,
+            "update_generator": self.update_generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+        if strategy is not None and world_size > 1:
+            # ranks sample different amounts, so their RNG streams differ: keep every rank's
+            device = strategy.root_device
+            states = strategy.all_gather(torch.get_rng_state().to(device))
+            saved["torch_rng_per_rank"] = [s.cpu().clone() for s in states]  # own storage each
+            if device.type == "cuda":
+                states = strategy.all_gather(torch.cuda.get_rng_state(device).to(device))
+                saved["cuda_rng_per_rank"] = [s.cpu().clone() for s in states]
+        return saved
+
+    def restore(self, saved: dict[str, Any], rank: int, world_size: int, device: torch.device) -> None:
+        """Counters, generator and this rank's RNG streams from `to_checkpoint`'s dictionary."""
+        self.policy_version = saved["policy_version"]
+        self.rollouts_done = saved.get("rollouts_done", 0)
+        self.skipped_updates = saved["skipped_updates"]
+        self.consecutive_skips = saved["consecutive_skips"]
+        self.update_generator.set_state(saved["update_generator"])
+        per_rank = saved.get("torch_rng_per_rank")
+        self.rng_restored_per_rank = per_rank is not None and len(per_rank) == world_size
+        state = per_rank[rank] if self.rng_restored_per_rank else saved["torch_rng"]
+        torch.set_rng_state(state.clone())  # a view with a storage offset crashes set_rng_state
+        if saved.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        cuda_per_rank = saved.get("cuda_rng_per_rank")
+        if cuda_per_rank is not None and len(cuda_per_rank) == world_size and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_per_rank[rank].clone(), device)
+
+
+def save_training_state(checkpoint: dict[str, Any], state: TrainingState, rebuilt_prefixes: tuple[str, ...],
+                        strategy: Any | None, world_size: int) -> None:
+    """Into a Lightning checkpoint: the training state, without the weights under `rebuilt_prefixes` (frozen
+    models reloaded from their source), and dataclass settings as plain dicts (weights-only loadable)."""
+    state_dict = checkpoint["state_dict"]
+    for key in [k for k in state_dict if k.startswith(rebuilt_prefixes)]:
+        del state_dict[key]
+    checkpoint[CHECKPOINT_KEY] = {**state.to_checkpoint(strategy, world_size), "rebuilt_prefixes": list(rebuilt_prefixes)}
+    hparams = checkpoint.get("hyper_parameters")
+    if isinstance(hparams, dict):
+        checkpoint["hyper_parameters"] = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                          for k, v in hparams.items()}
+
+
+def load_training_state(checkpoint: dict[str, Any], state: TrainingState, own_weights: dict[str, Any], rank: int,
+                        world_size: int, device: torch.device) -> None:
+    """From a Lightning checkpoint: the training state, and the module's `own_weights` where the file left
+    them out."""
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    if saved is None:
+        return
+    prefixes = tuple(saved.get("rebuilt_prefixes", []))
+    if prefixes:
+        checkpoint["state_dict"].update({k: v for k, v in own_weights.items() if k.startswith(prefixes)})
+    state.restore(saved, rank, world_size, device)
