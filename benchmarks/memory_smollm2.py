@@ -63,11 +63,22 @@ def worker(job: dict) -> dict:
         log_samples_every_n_steps=0,
         **variant,
     )
-    data = RolloutDataModule(prompts=os.path.join(ROOT, "configs", "prompts", "smollm2_topics.jsonl"),
-                             batch_size=job["batch_size"], max_prompt_length=64)
-    trainer = L.Trainer(max_steps=job["steps"], accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Timer()], precision=job["precision"])
+    data = RolloutDataModule(
+        prompts=os.path.join(ROOT, "configs", "prompts", "smollm2_topics.jsonl"),
+        batch_size=job["batch_size"],
+        max_prompt_length=64,
+    )
+    trainer = L.Trainer(
+        max_steps=job["steps"],
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Timer()],
+        precision=job["precision"],
+    )
     start = time.perf_counter()
     trainer.fit(module, data)
     total = time.perf_counter() - start
@@ -81,9 +92,17 @@ def worker(job: dict) -> dict:
         "trainable_parameters": sum(p.numel() for p in module.trainable_parameters()),
         "step_s": [round(t, 2) for t in step_times],
         "fit_s": round(total, 1),
-        **{key: round(module.step_metrics[key], 2) for key in  # the last step's own values
-           ("rollout/reward_mean", "time/generate_s", "time/score_s", "time/evaluate_s", "time/update_s")
-           if key in module.step_metrics},
+        **{
+            key: round(module.step_metrics[key], 2)
+            for key in (  # the last step's own values
+                "rollout/reward_mean",
+                "time/generate_s",
+                "time/score_s",
+                "time/evaluate_s",
+                "time/update_s",
+            )
+            if key in module.step_metrics
+        },
     }
 
 
@@ -97,7 +116,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=None, help="default: 1 for PPO, 2 for GRPO")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared 2-core machine stalls with more)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: a shared 2-core machine stalls with more)"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -108,9 +129,17 @@ def main() -> None:
     group = args.group_size or (1 if args.algorithm == "ppo" else 2)
     results = []
     for name in args.variants:
-        job = dict(variant=name, folder=os.path.abspath(args.folder), algorithm=args.algorithm, steps=args.steps,
-                   batch_size=args.batch_size, group_size=group, max_new_tokens=args.max_new_tokens,
-                   precision=args.precision, threads=args.threads)
+        job = dict(
+            variant=name,
+            folder=os.path.abspath(args.folder),
+            algorithm=args.algorithm,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            group_size=group,
+            max_new_tokens=args.max_new_tokens,
+            precision=args.precision,
+            threads=args.threads,
+        )
         out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
@@ -118,9 +147,12 @@ def main() -> None:
             continue
         result = json.loads(lines[-1][len("RESULT ") :])
         results.append(result)
-        print(f"{name:8s} peak RSS {result['peak_rss_mb']:7.0f} MB  parameters {result['parameter_mb']:6.0f} MB "
-              f"(reference {result['reference_parameter_mb']:4.0f} MB)  trainable {result['trainable_parameters']:>10,d}  "
-              f"step s {result['step_s']}", flush=True)
+        print(
+            f"{name:8s} peak RSS {result['peak_rss_mb']:7.0f} MB  parameters {result['parameter_mb']:6.0f} MB "
+            f"(reference {result['reference_parameter_mb']:4.0f} MB)  "
+            f"trainable {result['trainable_parameters']:>10,d}  step s {result['step_s']}",
+            flush=True,
+        )
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     path = os.path.join(HERE, "results", f"memory_smollm2_{stamp}.json")

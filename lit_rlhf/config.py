@@ -5,9 +5,9 @@ PPO and GRPO are one code path: `AlgorithmConfig.name` only fills in the setting
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 Algorithm = Literal["ppo", "grpo"]
 AdvantageEstimator = Literal["gae", "grpo", "batch_std", "dr_grpo", "rloo"]
@@ -15,6 +15,8 @@ KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 SamplingBackend = Literal["lean", "generate"]
 LRSchedule = Literal["constant", "linear", "cosine"]
+
+_T = TypeVar("_T")
 
 # The settings each algorithm fills in when the user leaves them as None.
 _ALGORITHM_DEFAULTS = {
@@ -32,10 +34,35 @@ def _require(condition: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
+def resolved(value: _T | None, field: str) -> _T:
+    """The value of a setting that `AlgorithmConfig` fills in when it is made (None: the algorithm's default).
+
+    Raises a `ConfigError` naming `field` if it is still None, which happens only when it was set to None
+    after the config was made.
+    """
+    if value is None:
+        raise ConfigError(
+            f"{field}: is None, but it is filled in from algorithm.name when the config is made; "
+            "make a new AlgorithmConfig instead of setting it to None afterwards"
+        )
+    return value
+
+
 def check_choice(value: Any, choices: Any, field: str) -> None:
     """Raise unless `value` is one of the `Literal` type `choices`' values."""
     allowed = get_args(choices)
     _require(value in allowed, field, f"unknown value {value!r}; use one of {', '.join(map(repr, allowed))}")
+
+
+class FilledSettings(NamedTuple):
+    """The settings that `AlgorithmConfig.name` fills in, with their concrete types."""
+
+    group_size: int
+    advantage_estimator: AdvantageEstimator
+    kl_coef: float
+    kl_estimator: KLEstimator
+    kl_in_reward: bool
+    clip_eps_high: float
 
 
 @dataclass
@@ -98,10 +125,11 @@ class AlgorithmConfig:
             self.clip_eps_high = self.clip_eps_low
         check_choice(self.advantage_estimator, AdvantageEstimator, "algorithm.advantage_estimator")
         check_choice(self.kl_estimator, KLEstimator, "algorithm.kl_estimator")
-        _require(self.group_size >= 1, "algorithm.group_size", f"must be >= 1, got {self.group_size}")
+        group_size = resolved(self.group_size, "algorithm.group_size")
+        _require(group_size >= 1, "algorithm.group_size", f"must be >= 1, got {self.group_size}")
         if self.advantage_estimator != "gae":
             _require(
-                self.group_size >= 2,
+                group_size >= 2,
                 "algorithm.group_size",
                 f"the group estimator {self.advantage_estimator!r} needs at least 2 responses per prompt, "
                 f"got {self.group_size}; set algorithm.group_size to 2 or more (8 is usual)",
@@ -113,18 +141,25 @@ class AlgorithmConfig:
             "algorithm.micro_batch_size",
             f"must be >= 1 or None, got {self.micro_batch_size}",
         )
-        _require(self.kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {self.kl_coef}")
-        _require(self.clip_eps_low > 0 and self.clip_eps_high > 0, "algorithm.clip_eps_low/high", "must be > 0")
+        kl_coef = resolved(self.kl_coef, "algorithm.kl_coef")
+        _require(kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        clip_eps_high = resolved(self.clip_eps_high, "algorithm.clip_eps_high")
+        _require(self.clip_eps_low > 0 and clip_eps_high > 0, "algorithm.clip_eps_low/high", "must be > 0")
         _require(
-            self.dual_clip is None or self.dual_clip > 1, "algorithm.dual_clip", f"must be > 1 or None, got {self.dual_clip}"
+            self.dual_clip is None or self.dual_clip > 1,
+            "algorithm.dual_clip",
+            f"must be > 1 or None, got {self.dual_clip}",
         )
         _require(self.value_clip is None or self.value_clip > 0, "algorithm.value_clip", "must be > 0 or None")
-        _require(
-            self.max_grad_norm is None or self.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0 or None"
-        )
+        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0 or None")
         _require(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
         _require(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
         check_choice(self.loss_aggregation, LossAggregation, "algorithm.loss_aggregation")
+
+    @property
+    def filled(self) -> FilledSettings:
+        """The settings filled in from `name`, typed (a `ConfigError` if one was set to None afterwards)."""
+        return FilledSettings(*(resolved(getattr(self, f), f"algorithm.{f}") for f in FilledSettings._fields))
 
     @property
     def uses_critic(self) -> bool:
@@ -134,7 +169,12 @@ class AlgorithmConfig:
     @property
     def uses_reference(self) -> bool:
         """The reference model is needed only when the KL has weight."""
-        return self.kl_coef > 0
+        return self.filled.kl_coef > 0
+
+    @property
+    def full_kl_in_loss(self) -> bool:
+        """The exact KL is a loss term: each micro-batch's loss needs the reference's full logits."""
+        return self.uses_reference and not self.kl_in_reward and self.kl_estimator == "full"
 
     @property
     def single_pass(self) -> bool:
@@ -199,8 +239,14 @@ class SamplingConfig:
         check_choice(self.backend, SamplingBackend, "sampling.backend")
 
 
-def check_module_settings(lr: float, lr_schedule: str, warmup_steps: int, max_consecutive_skips: int,
-                          reward_model: Any, reward_fns: Sequence[Any] | None) -> None:
+def check_module_settings(
+    lr: float,
+    lr_schedule: str,
+    warmup_steps: int,
+    max_consecutive_skips: int,
+    reward_model: Any,
+    reward_fns: Sequence[Any] | None,
+) -> None:
     """`RLHFModule`'s own settings, before any model loads."""
     if lr <= 0:
         raise ConfigError(f"model.lr: must be > 0, got {lr}")
@@ -211,3 +257,12 @@ def check_module_settings(lr: float, lr_schedule: str, warmup_steps: int, max_co
         raise ConfigError(f"model.max_consecutive_skips: must be >= 1, got {max_consecutive_skips}")
     if reward_model is None and not reward_fns:
         raise ConfigError("model.reward_fns / model.reward_model: give at least one reward function or a reward model")
+
+
+def check_precision(precision: str) -> None:
+    """The manual update loop clips and steps unscaled gradients: fp16 (with its gradient scaler) is refused."""
+    if precision in ("16-mixed", "16"):
+        raise ConfigError(
+            "trainer.precision: fp16 mixed precision scales gradients and is not supported by the manual update "
+            "loop; use precision: bf16-mixed (or 32)"
+        )

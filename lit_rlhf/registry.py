@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import nn
 
@@ -41,7 +41,7 @@ class Task:
     """(count, seed) -> rows {"prompt", "chosen", "rejected"} to train a reward model on."""
 
 
-def is_builtin(spec: Any) -> bool:
+def is_builtin(spec: Any) -> TypeGuard[str]:
     return isinstance(spec, str) and spec.startswith(BUILTIN_PREFIX)
 
 

@@ -9,14 +9,13 @@ T = response length (right padded).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
-
-from typing_extensions import Self
 
 import torch
 from torch import Tensor
+from typing_extensions import Self
 
 
 @dataclass
@@ -29,7 +28,7 @@ class PromptBatch:
     meta: dict[str, list[Any]] = field(default_factory=dict)  # extra dataset columns, each a list of B0
     position: int = 0  # rows of this rank's prompt stream consumed up to and including this batch
 
-    def to(self, device: torch.device | str) -> "PromptBatch":
+    def to(self, device: torch.device | str) -> PromptBatch:
         return dataclasses.replace(
             self, input_ids=self.input_ids.to(device), attention_mask=self.attention_mask.to(device)
         )

@@ -1,7 +1,7 @@
 """Write a ChatML prompt set for SmolLM2-Instruct as JSONL (rows from `lit_rlhf.tasks.chat`).
 
-    python scripts/make_chat_prompts.py --task sentiment --out configs/prompts/smollm2_topics.jsonl
-    python scripts/make_chat_prompts.py --task arithmetic --out configs/prompts/smollm2_arithmetic.jsonl
+python scripts/make_chat_prompts.py --task sentiment --out configs/prompts/smollm2_topics.jsonl
+python scripts/make_chat_prompts.py --task arithmetic --out configs/prompts/smollm2_arithmetic.jsonl
 """
 
 from __future__ import annotations

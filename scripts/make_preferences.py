@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     write_jsonl(digits_preference_pairs(args.train, args.seed), os.path.join(args.out, "train.jsonl"))
-    write_jsonl(digits_preference_pairs(args.val, args.seed + HELD_OUT_SEED_OFFSET), os.path.join(args.out, "val.jsonl"))
+    val_rows = digits_preference_pairs(args.val, args.seed + HELD_OUT_SEED_OFFSET)
+    write_jsonl(val_rows, os.path.join(args.out, "val.jsonl"))
     print(f"wrote {args.train} training and {args.val} held-out pairs to {args.out}/(train|val).jsonl")
 
 

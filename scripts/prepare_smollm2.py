@@ -31,7 +31,7 @@ def find_gguf() -> tuple[str, str]:
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the package {PACKAGE!r} is not installed; {INSTALL_HINT}")
-    folder = list(spec.submodule_search_locations)[0]
+    folder = next(iter(spec.submodule_search_locations))
     if os.path.isfile(os.path.join(folder, GGUF_NAME)):
         return folder, GGUF_NAME
     found = sorted(name for name in os.listdir(folder) if name.endswith(".gguf"))
@@ -67,8 +67,10 @@ def prepare(out: str, overwrite: bool = False) -> str:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    print(f"loaded {name} in {time.perf_counter() - start:.1f} s "
-          f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
+    print(
+        f"loaded {name} in {time.perf_counter() - start:.1f} s "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)"
+    )
     clear_quantization_marks(model)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)

@@ -15,12 +15,13 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
 
 
-
 def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: end-to-end runs (tests/e2e); skip them with -m 'not slow'")
     # Lightning's notes about the experimental `dataloader_iter` signature and the eval-mode frozen modules
     # are expected in every fit; keep the output readable.
     for pattern in (".*dataloader_iter.*", ".*module\\(s\\) in eval mode.*", ".*LeafSpec.*"):
         config.addinivalue_line("filterwarnings", f"ignore:{pattern}")
+
 
 PAD_ID, EOS_ID = 0, 1  # the built-in tokenizer's special ids (checked by the `tokenizer` fixture)
 
@@ -57,8 +58,15 @@ def make_trainer(max_steps: int, **kwargs):
     """A quiet CPU Trainer that hands every step's metrics to Lightning (`log_every_n_steps=1`)."""
     import lightning as L
 
-    settings = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
-                "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1}
+    settings = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "log_every_n_steps": 1,
+    }
     return L.Trainer(max_steps=max_steps, **{**settings, **kwargs})
 
 

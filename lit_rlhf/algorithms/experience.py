@@ -40,8 +40,9 @@ def policy_forward(actor_critic: ActorCritic, rollout: Rollout, temperature: flo
 @torch.no_grad()
 def reference_logits(reference: nn.Module, rollout: Rollout) -> Tensor:
     """The reference policy's logits on the response grid: (B, T, V)."""
-    logits, _ = causal_lm_response_forward(reference, rollout.input_ids(), rollout.attention_mask(),
-                                           rollout.response_ids.shape[1])
+    logits, _ = causal_lm_response_forward(
+        reference, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1]
+    )
     return logits
 
 
@@ -55,7 +56,8 @@ def compute_advantages(
     """
     maskf = mask.float()
     kl_in_reward = kl if (kl is not None and algo.kl_in_reward) else torch.zeros_like(maskf)
-    rewards = losses.token_rewards(scores, kl_in_reward, mask, algo.kl_coef)  # (B, T)
+    kl_coef = algo.filled.kl_coef
+    rewards = losses.token_rewards(scores, kl_in_reward, mask, kl_coef)  # (B, T)
     if algo.advantage_estimator == "gae":
         if values is None:
             raise ValueError("compute_advantages: GAE needs the critic's values")
@@ -64,7 +66,9 @@ def compute_advantages(
             advantages = losses.masked_whiten(advantages, mask)
         return advantages, returns
     seq_scores = rewards.sum(dim=1) if algo.kl_in_reward else scores.float()  # (B,)
-    per_seq = losses.group_advantages(seq_scores, algo.group_size, algo.advantage_estimator, algo.group_eps)
+    group_size = algo.filled.group_size
+    estimator = algo.filled.advantage_estimator
+    per_seq = losses.group_advantages(seq_scores, group_size, estimator, algo.group_eps)
     return per_seq[:, None] * maskf, None
 
 
@@ -84,9 +88,17 @@ def make_experience(
         if algo.kl_estimator == "full":
             kl = losses.full_kl_from_logits(policy.logits, ref_logits, temperature)
         else:
-            kl = losses.kl_from_logprobs(policy.logprobs, ref_logprobs, algo.kl_estimator)
+            kl = losses.kl_from_logprobs(policy.logprobs, ref_logprobs, algo.filled.kl_estimator)
     advantages, returns = compute_advantages(algo, rollout.scores, kl, policy.values, rollout.response_mask)
     loss_mask = rollout.response_mask & ~(rollout.truncated[:, None] & algo.mask_truncated)
     fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
-    return Experience(**fields, loss_mask=loss_mask, old_logprobs=policy.logprobs, advantages=advantages,
-                      ref_logprobs=ref_logprobs, kl=kl, values=policy.values, returns=returns)
+    return Experience(
+        **fields,
+        loss_mask=loss_mask,
+        old_logprobs=policy.logprobs,
+        advantages=advantages,
+        ref_logprobs=ref_logprobs,
+        kl=kl,
+        values=policy.values,
+        returns=returns,
+    )

@@ -47,37 +47,44 @@ def ppo_objective(
     mask = mb.loss_mask
 
     def aggregate(per_token: Tensor) -> Tensor:
-        return losses.aggregate_loss(per_token, mask, algo.loss_aggregation, totals.tokens, totals.sequences,
-                                     totals.max_new_tokens)
+        return losses.aggregate_loss(
+            per_token, mask, algo.loss_aggregation, totals.tokens, totals.sequences, totals.max_new_tokens
+        )
 
     def token_share(per_token: Tensor) -> float:
         return float(losses.masked_sum(per_token.detach().float(), mask) / totals.tokens)
 
     policy_tokens, clipped = losses.clipped_policy_loss(
-        current.logprobs, mb.old_logprobs, mb.advantages, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip
+        current.logprobs,
+        mb.old_logprobs,
+        mb.advantages,
+        algo.clip_eps_low,
+        algo.filled.clip_eps_high,
+        algo.dual_clip,
     )
     policy_loss = aggregate(policy_tokens)
     loss = policy_loss
     log_ratio = (current.logprobs - mb.old_logprobs).detach()
-    stats = {"policy/loss": float(policy_loss.detach()),
-             "policy/clipfrac": token_share(clipped.float()),
-             "policy/approx_kl": token_share(0.5 * log_ratio**2),
-             "policy/ratio_mean": token_share(log_ratio.exp())}
+    stats = {
+        "policy/loss": float(policy_loss.detach()),
+        "policy/clipfrac": token_share(clipped.float()),
+        "policy/approx_kl": token_share(0.5 * log_ratio**2),
+        "policy/ratio_mean": token_share(log_ratio.exp()),
+    }
     if current.values is not None:
         if mb.values is None or mb.returns is None:
             raise ValueError("ppo_objective: a critic's loss needs the experience's values and returns")
-        value_tokens, value_clipped = losses.clipped_value_loss(current.values, mb.values, mb.returns,
-                                                                algo.value_clip)
+        value_tokens, value_clipped = losses.clipped_value_loss(current.values, mb.values, mb.returns, algo.value_clip)
         value_loss = aggregate(value_tokens)
         loss = loss + algo.vf_coef * value_loss
         stats["value/loss"] = float(value_loss.detach())
         stats["value/clipfrac"] = token_share(value_clipped.float())
     if algo.uses_reference and not algo.kl_in_reward:
-        kl_loss = aggregate(kl_to_reference(current, mb, algo.kl_estimator, temperature, ref_logits))
-        loss = loss + algo.kl_coef * kl_loss
+        estimator = algo.filled.kl_estimator
+        kl_loss = aggregate(kl_to_reference(current, mb, estimator, temperature, ref_logits))
+        loss = loss + algo.filled.kl_coef * kl_loss
         stats["policy/kl_loss"] = float(kl_loss.detach())
-    entropy = losses.entropy_from_logits(current.logits if algo.entropy_coef else current.logits.detach(),
-                                         temperature)
+    entropy = losses.entropy_from_logits(current.logits if algo.entropy_coef else current.logits.detach(), temperature)
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * aggregate(entropy)
     stats["objective/entropy"] = token_share(entropy)

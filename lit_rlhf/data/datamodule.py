@@ -101,8 +101,9 @@ class RolloutDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         tokenizer = data_tokenizer(self.tokenizer, self.trainer)
-        self.prompt_tokenizer = PromptTokenizer(tokenizer, self.max_prompt_length, self.prompt_truncation,
-                                                self.prompt_column)
+        self.prompt_tokenizer = PromptTokenizer(
+            tokenizer, self.max_prompt_length, self.prompt_truncation, self.prompt_column
+        )
         if isinstance(self.source, list) and self.prompt_truncation == "error":
             for i, row in enumerate(self.source):  # fail before any model is loaded
                 self.prompt_tokenizer.check_length(row[self.prompt_column], f"#{i}")
@@ -111,8 +112,9 @@ class RolloutDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             self.load_state_dict({"prompt_stream": self._pending_state})
         module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is not None and hasattr(module, "check_rollout_batch"):
-            module.check_rollout_batch(self.batch_size)
+        check_rollout_batch = getattr(module, "check_rollout_batch", None)
+        if check_rollout_batch is not None:
+            check_rollout_batch(self.batch_size)
 
     def train_dataloader(self) -> PromptBatches:
         if self.stream is None:

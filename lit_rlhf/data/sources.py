@@ -41,8 +41,10 @@ def read_prompt_file(path: str, prompt_column: str = "prompt") -> list[dict[str,
                     "every line needs it (or set data.prompt_column)"
                 )
             if not isinstance(row[prompt_column], str):
-                raise ConfigError(f"data.prompts: {path}:{line_number}: field {prompt_column!r} must be a string, "
-                                  f"got {type(row[prompt_column]).__name__}")
+                raise ConfigError(
+                    f"data.prompts: {path}:{line_number}: field {prompt_column!r} must be a string, "
+                    f"got {type(row[prompt_column]).__name__}"
+                )
             rows.append(row)
     else:
         with open(path, encoding="utf-8") as handle:
@@ -59,7 +61,9 @@ class PromptStream:
     order. Row i of the global order goes to rank i % world_size.
     """
 
-    def __init__(self, source: list[dict[str, Any]] | str, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self, source: list[dict[str, Any]] | str, seed: int, shuffle: bool, rank: int = 0, world_size: int = 1
+    ):
         self.source = source
         self.seed = seed
         self.shuffle = shuffle

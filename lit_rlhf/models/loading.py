@@ -8,12 +8,13 @@ from __future__ import annotations
 import copy
 import os
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.registry import get_task, is_builtin
+
 
 def check_local_path(spec: str, field: str, needs: tuple[str, ...] = ()) -> None:
     """A spec that looks like a filesystem path must exist (hub ids like 'org/name' pass through); an existing
@@ -72,9 +73,10 @@ def data_tokenizer(spec: Any, trainer: Any, field: str = "data.tokenizer"):
     if spec is not None:
         return spec if hasattr(spec, "pad_token_id") else load_tokenizer(spec, field)
     module = trainer.lightning_module if trainer is not None else None
-    if getattr(module, "tokenizer", None) is None:
+    tokenizer = getattr(module, "tokenizer", None)
+    if tokenizer is None:
         raise ConfigError(f"{field}: no tokenizer given and the module has none; pass one")
-    return module.tokenizer
+    return tokenizer
 
 
 def load_causal_lm(spec: Any, field: str = "policy", trust_remote_code: bool = False, **kwargs) -> nn.Module:
@@ -104,7 +106,10 @@ def disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-def freeze(model: nn.Module) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def freeze(model: ModuleT) -> ModuleT:
     """Eval mode and no gradients, for the reference and reward models."""
     model.eval()
     for p in model.parameters():
@@ -112,7 +117,7 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-def frozen_copy(model: nn.Module) -> nn.Module:
+def frozen_copy(model: ModuleT) -> ModuleT:
     return freeze(copy.deepcopy(model))
 
 

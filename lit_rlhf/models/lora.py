@@ -26,7 +26,9 @@ def lora_config(settings: dict[str, Any], field: str = "model.lora"):
     try:
         from peft import LoraConfig, TaskType
     except ImportError as err:
-        raise ConfigError(f"{field}: LoRA needs the peft package; pip install peft (or pip install -e '.[lora]')") from err
+        raise ConfigError(
+            f"{field}: LoRA needs the peft package; pip install peft (or pip install -e '.[lora]')"
+        ) from err
     if not isinstance(settings, dict):
         raise ConfigError(f"{field}: expected a mapping like {{r: 8, alpha: 16, target_modules: all-linear}}, "
                           f"got {type(settings).__name__}")
@@ -47,7 +49,6 @@ def lora_config(settings: dict[str, Any], field: str = "model.lora"):
 def apply_lora(policy: nn.Module, settings: dict[str, Any], field: str = "model.lora") -> nn.Module:
     """Wrap `policy` with LoRA adapters (base weights frozen); returns the `peft` model."""
     from peft import get_peft_model
-
     from transformers.pytorch_utils import Conv1D
 
     if "fan_in_fan_out" not in settings and any(isinstance(m, Conv1D) for m in policy.modules()):
@@ -93,7 +94,7 @@ class AdapterDisabledReference(nn.Module):
         """The policy's forward with the adapters off (same arguments and outputs as the policy)."""
         if logits_to_keep and accepts_argument(self.policy, "logits_to_keep"):
             kwargs["logits_to_keep"] = logits_to_keep
-        with self.policy.disable_adapter():
+        with self.policy.disable_adapter():  # type: ignore[operator]  # peft method
             return self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=use_cache, output_hidden_states=output_hidden_states, **kwargs)
 
@@ -107,5 +108,11 @@ def parameter_bytes(*modules: nn.Module) -> int:
     return sum(seen.values())
 
 
-__all__ = ["AdapterDisabledReference", "LORA_DEFAULTS", "apply_lora", "has_adapters", "lora_config",
-           "parameter_bytes"]
+__all__ = [
+    "LORA_DEFAULTS",
+    "AdapterDisabledReference",
+    "apply_lora",
+    "has_adapters",
+    "lora_config",
+    "parameter_bytes",
+]

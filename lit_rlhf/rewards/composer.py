@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
-from lit_rlhf.rewards.functions import RewardFn, call_reward_fn
+from lit_rlhf.rewards.functions import RewardError, RewardFn, call_reward_fn
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
 
 
@@ -49,13 +49,20 @@ class RewardComposer:
         """(B,) float32 scores on CPU. The reward model reads `sequence_ids` at `last_index` when it
         shares the policy tokenizer, else the prompt+response texts."""
         total = torch.zeros(len(prompts), dtype=torch.float32)
-        for fn, weight in zip(self.reward_fns, self.weights):
+        for fn, weight in zip(self.reward_fns, self.weights, strict=True):
             total += weight * call_reward_fn(fn, prompts, responses, meta, self.nan_score)
         if reward_model is not None:
+            if sequence_ids is None:
+                raise ValueError("RewardComposer: a reward model needs sequence_ids (the policy's token ids)")
             if reward_model.tokenizer is None:
+                if sequence_mask is None or last_index is None:
+                    raise ValueError(
+                        "RewardComposer: a reward model that shares the policy's tokenizer needs "
+                        "sequence_mask and last_index"
+                    )
                 rm_scores = reward_model.score_ids(sequence_ids, sequence_mask, last_index)
             else:
-                texts = [p + r for p, r in zip(prompts, responses)]
+                texts = [p + r for p, r in zip(prompts, responses, strict=True)]
                 rm_scores = reward_model.score_texts(texts, sequence_ids.device)
             total += self.reward_model_weight * rm_scores.cpu()
         if not math.isfinite(float(total.sum())):

@@ -8,7 +8,8 @@ In YAML, name it by dotted path: `lit_rlhf.tasks.digits.sort_digits_reward`.
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,8 +31,10 @@ def import_callable(path: str, field: str = "reward_fns") -> RewardFn:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} for {path!r} ({err}); "
-                          "check the spelling and that it is on PYTHONPATH") from err
+        raise ConfigError(
+            f"{field}: cannot import module {module_name!r} for {path!r} ({err}); "
+            "check the spelling and that it is on PYTHONPATH"
+        ) from err
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         raise ConfigError(f"{field}: module {module_name!r} has no callable named {attr!r}")

@@ -41,7 +41,7 @@ class SequenceRewardModel(nn.Module):
 
     def score_ids(self, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
         """input_ids, attention_mask (B, S); last_index (B,) column to read -> (B,) float32."""
-        backbone = getattr(self.model, self.model.base_model_prefix)
+        backbone = getattr(self.model, self.model.base_model_prefix)  # type: ignore[call-overload]  # transformers
         hidden = backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -53,6 +53,11 @@ class SequenceRewardModel(nn.Module):
 
     def score_texts(self, texts: list[str], device: torch.device) -> Tensor:
         """Re-tokenise full texts with the reward model's own tokenizer -> (B,) float32."""
+        if self.tokenizer is None:
+            raise ValueError(
+                "SequenceRewardModel.score_texts: the reward model has no tokenizer of its own; "
+                "score the policy's token ids with score_ids"
+            )
         self.tokenizer.padding_side = "right"
         enc = self.tokenizer(texts, return_tensors="pt", padding=True).to(device)
         last = last_token_index(enc["attention_mask"].bool())
@@ -64,8 +69,10 @@ def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: 
     vocabulary cannot be the policy's (too small, or its folder holds a tokenizer with another vocabulary)."""
     if reward_model.tokenizer is not None or policy_tokenizer is None:
         return
-    fix = ("Set model.reward_tokenizer to the reward model's tokenizer (for example its folder) so the texts are "
-           "re-tokenised for it")
+    fix = (
+        "Set model.reward_tokenizer to the reward model's tokenizer (for example its folder) so the texts are "
+        "re-tokenised for it"
+    )
     vocab_size = getattr(getattr(reward_model.model, "config", None), "vocab_size", None)
     if vocab_size is not None and len(policy_tokenizer) > vocab_size:
         raise ConfigError(
@@ -77,8 +84,10 @@ def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: 
 
         own = AutoTokenizer.from_pretrained(spec)
         if own.get_vocab() != policy_tokenizer.get_vocab():
-            raise ConfigError(f"model.reward_tokenizer: the reward model's folder {spec!r} holds a tokenizer whose "
-                              f"vocabulary differs from the policy's; {fix}")
+            raise ConfigError(
+                f"model.reward_tokenizer: the reward model's folder {spec!r} holds a tokenizer whose "
+                f"vocabulary differs from the policy's; {fix}"
+            )
 
 
 def build_reward_model(spec: Any, tokenizer_spec: Any, trust_remote_code: bool) -> SequenceRewardModel:

@@ -10,7 +10,7 @@ built-in task's set in memory, e.g. `builtin:digits`). At the end of `fit` the m
     python train.py fit --config configs/ppo_reward_model.yaml
 
 End of sequence: by default an EOS token is appended to every `prompt + response`, because PPO reads the
-score at the last response token, which is the EOS for a response that ended (DESIGN §2).
+score at the last response token, which is the EOS for a response that ended (docs/design.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from lit_rlhf.data.sources import jsonl_objects
 from lit_rlhf.models.loading import data_tokenizer, load_sequence_classifier, load_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
-from lit_rlhf.training.schedules import warmup_then_decay
+from lit_rlhf.training.optim import warmup_then_decay
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
 # A built-in validation set draws from a different stream, so held-out pairs are not the training pairs.
@@ -128,8 +128,11 @@ class PairCollator:
         for i, ids in enumerate(encoded):
             input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, : len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "last_index": last_token_index(attention_mask.bool())}
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "last_index": last_token_index(attention_mask.bool()),
+        }
 
 
 class PreferenceDataModule(L.LightningDataModule):
@@ -170,8 +173,9 @@ class PreferenceDataModule(L.LightningDataModule):
         self.tokenizer, self.seed, self.num_workers = tokenizer, seed, num_workers
         # read (and check) the files now, before any model is loaded
         self.train_rows = load_preferences(train, "data.train", num_builtin_train, seed)
-        self.val_rows = None if val is None else load_preferences(val, "data.val", num_builtin_val,
-                                                                  seed + HELD_OUT_SEED_OFFSET)
+        self.val_rows = (
+            None if val is None else load_preferences(val, "data.val", num_builtin_val, seed + HELD_OUT_SEED_OFFSET)
+        )
 
     def setup(self, stage: str) -> None:
         tokenizer = data_tokenizer(self.tokenizer, self.trainer)
@@ -179,14 +183,26 @@ class PreferenceDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
-                          generator=generator, num_workers=self.num_workers)
+        # a list is a map-style dataset; torch annotates the argument as Dataset
+        return DataLoader(
+            self.train_rows,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=True,
+            collate_fn=self.collate,
+            generator=generator,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_rows is None:
             return []
-        return DataLoader(self.val_rows, batch_size=self.batch_size, shuffle=False, collate_fn=self.collate,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            self.val_rows,  # type: ignore[arg-type]
+            batch_size=self.batch_size,
+            shuffle=False,
+            collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
 
 
 # ----------------------------------------------------------------------------- model
@@ -229,17 +245,22 @@ class RewardModelModule(L.LightningModule):
         if warmup_steps < 0:
             raise ConfigError(f"model.warmup_steps: must be >= 0, got {warmup_steps}")
         self.save_hyperparameters(ignore=["model", "tokenizer"])
-        self.hparams.update({k: v for k, v in dict(model=model, tokenizer=tokenizer).items()
-                             if v is None or isinstance(v, str)})
+        self.hparams.update(
+            {k: v for k, v in dict(model=model, tokenizer=tokenizer).items() if v is None or isinstance(v, str)}
+        )
         self._model_spec = model
-        self.lr, self.weight_decay, self.betas, self.warmup_steps = lr, weight_decay, tuple(betas), warmup_steps
+        if len(betas) != 2:
+            raise ConfigError(f"model.betas: expected two numbers (beta1, beta2), got {betas!r}")
+        self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.betas = (betas[0], betas[1])
         self.save_dir = save_dir
         self.gradient_checkpointing = gradient_checkpointing
         self.trust_remote_code = trust_remote_code
         if tokenizer is None and not isinstance(model, str):
             raise ConfigError("model.tokenizer: the model was given as an instance; pass its tokenizer too")
-        self.tokenizer = load_tokenizer(tokenizer if tokenizer is not None else model, "model.tokenizer",
-                                        trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            tokenizer if tokenizer is not None else model, "model.tokenizer", trust_remote_code
+        )
         self.scorer: SequenceRewardModel | None = None
         self.train_accuracy, self.val_accuracy = BinaryAccuracy(), BinaryAccuracy()
         self.train_margin, self.val_margin = MeanMetric(), MeanMetric()
@@ -250,19 +271,27 @@ class RewardModelModule(L.LightningModule):
         if self.scorer is not None:
             return
         model = load_sequence_classifier(self._model_spec, "model.model", self.trust_remote_code)
+        # `config` and `gradient_checkpointing_enable` are transformers', typed Tensor | Module by nn.Module
         if getattr(model.config, "pad_token_id", None) is None:
-            model.config.pad_token_id = self.tokenizer.pad_token_id
+            model.config.pad_token_id = self.tokenizer.pad_token_id  # type: ignore[union-attr]
         if self.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            model.gradient_checkpointing_enable()  # type: ignore[operator]
         self.scorer = SequenceRewardModel(model)  # raises unless num_labels == 1
+
+    def _built_scorer(self) -> SequenceRewardModel:
+        if self.scorer is None:
+            raise RuntimeError(
+                "RewardModelModule: the model is not built yet; configure_model() builds it (Trainer.fit calls it)"
+            )
+        return self.scorer
 
     @property
     def model(self) -> nn.Module:
-        return self.scorer.model
+        return self._built_scorer().model
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
         """(B, S) ids and mask, (B,) last-token columns -> (B,) float32 scores."""
-        return self.scorer.score_ids(input_ids, attention_mask, last_index)
+        return self._built_scorer().score_ids(input_ids, attention_mask, last_index)
 
     def _step(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         scores = self(batch["input_ids"], batch["attention_mask"], batch["last_index"])  # (2N,)
@@ -299,7 +328,7 @@ class RewardModelModule(L.LightningModule):
     def save(self, folder: str) -> None:
         """`save_pretrained` of the model and tokenizer: a folder `RLHFModule(reward_model=folder)` loads."""
         os.makedirs(folder, exist_ok=True)
-        self.model.save_pretrained(folder)
+        self.model.save_pretrained(folder)  # type: ignore[operator]  # transformers method
         self.tokenizer.save_pretrained(folder)
 
     def on_fit_end(self) -> None:

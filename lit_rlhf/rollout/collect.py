@@ -38,7 +38,7 @@ def collect_rollout(
     timings = RolloutTimings()
     device = next(policy.parameters()).device
     prompts = prompts.to(device)
-    G = algo.group_size
+    G = algo.filled.group_size
 
     start = time.perf_counter()
     gen = generate(policy, prompts, G, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -57,8 +57,14 @@ def collect_rollout(
         scores = torch.where(gen.truncated, torch.full_like(scores, algo.truncated_score), scores)
     timings.score_s = time.perf_counter() - start
     rollout = Rollout(
-        prompt_ids=gen.prompt_ids, prompt_mask=gen.prompt_mask, response_ids=gen.response_ids,
-        response_mask=gen.response_mask, truncated=gen.truncated, scores=scores, prompts=prompt_texts,
-        responses=responses, policy_version=policy_version,
+        prompt_ids=gen.prompt_ids,
+        prompt_mask=gen.prompt_mask,
+        response_ids=gen.response_ids,
+        response_mask=gen.response_mask,
+        truncated=gen.truncated,
+        scores=scores,
+        prompts=prompt_texts,
+        responses=responses,
+        policy_version=policy_version,
     )
     return rollout, timings

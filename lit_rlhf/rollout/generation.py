@@ -53,8 +53,16 @@ def generate(
     prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
     if sampling.backend == "lean":
         raw = sample(
-            policy, prompt_ids, prompt_mask, sampling.max_new_tokens, eos_token_id, pad_token_id,
-            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, generator=generator,
+            policy,
+            prompt_ids,
+            prompt_mask,
+            sampling.max_new_tokens,
+            eos_token_id,
+            pad_token_id,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            generator=generator,
         ).response_ids
     else:
         raw = hf_generate(policy, prompt_ids, prompt_mask, sampling, eos_token_id, pad_token_id)
@@ -64,7 +72,11 @@ def generate(
 
 
 def hf_generate(
-    policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig, eos_token_id: int,
+    policy: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    sampling: SamplingConfig,
+    eos_token_id: int,
     pad_token_id: int,
 ) -> Tensor:
     """Hugging Face `generate(do_sample=True)`: (B, P) left-padded prompts -> (B, T) raw response ids."""
@@ -80,7 +92,9 @@ def hf_generate(
         pad_token_id=pad_token_id,
         use_cache=True,
     )
-    out = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    out = policy.generate(  # type: ignore[operator]  # a transformers method: nn.Module types it Tensor | Module
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
+    )
     return out[:, prompt_ids.shape[1] :]
 
 
@@ -91,5 +105,5 @@ def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor
     generated (skipping them would let a policy pad its answer with invisible tokens).
     """
     keep = response_mask & (response_ids != tokenizer.eos_token_id)
-    rows = [ids[k].tolist() for ids, k in zip(response_ids.cpu(), keep.cpu())]
+    rows = [ids[k].tolist() for ids, k in zip(response_ids.cpu(), keep.cpu(), strict=True)]
     return tokenizer.batch_decode(rows, skip_special_tokens=False)

@@ -48,7 +48,8 @@ class SampleOutput:
     """Raw output of `sample`; T <= max_new_tokens is the number of decode steps that ran."""
 
     response_ids: Tensor  # (B, T) long, pad after the first EOS
-    logprobs: Tensor | None  # (B, T) float32: log softmax(logits / temperature)[token], no top-k/top-p; None unless asked
+    # (B, T) float32: log softmax(logits / temperature)[token], no top-k/top-p; None unless asked
+    logprobs: Tensor | None
 
 
 def _cache_argument(model: nn.Module) -> str:
@@ -105,8 +106,7 @@ def sample(
     # On an accelerator, asking "all finished?" synchronises with the host; do it every few steps there.
     check_every = stop_check_every or (1 if device.type == "cpu" else 8)
 
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
-                **keep_last)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, **keep_last)
     cache = _returned_cache(out)
     steps = 0
     for t in range(max_new_tokens):
@@ -120,7 +120,7 @@ def sample(
         next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
         next_tokens = torch.where(unfinished, next_tokens, pad)
         tokens[:, t] = next_tokens
-        if return_logprobs:
+        if logprobs is not None:
             picked = raw_logits.gather(-1, next_tokens[:, None]).squeeze(-1)
             logprobs[:, t] = picked - torch.logsumexp(raw_logits, dim=-1)
         alive_before[t] = unfinished.any()

@@ -18,16 +18,44 @@ from __future__ import annotations
 import functools
 import random
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 TOPICS = (
-    "the sea", "a rainy morning", "your neighbour's dog", "Mondays", "a train journey", "old books", "coffee",
-    "winter", "a city at night", "gardening", "homework", "a birthday party", "the moon", "traffic",
-    "a small village", "cooking dinner", "a football match", "the desert", "mountains", "a library",
-    "a long queue", "summer holidays", "a thunderstorm", "the first day at a new job", "a cat", "music",
-    "a bicycle ride", "the market", "an empty house", "a letter from a friend", "bread", "the forest",
+    "the sea",
+    "a rainy morning",
+    "your neighbour's dog",
+    "Mondays",
+    "a train journey",
+    "old books",
+    "coffee",
+    "winter",
+    "a city at night",
+    "gardening",
+    "homework",
+    "a birthday party",
+    "the moon",
+    "traffic",
+    "a small village",
+    "cooking dinner",
+    "a football match",
+    "the desert",
+    "mountains",
+    "a library",
+    "a long queue",
+    "summer holidays",
+    "a thunderstorm",
+    "the first day at a new job",
+    "a cat",
+    "music",
+    "a bicycle ride",
+    "the market",
+    "an empty house",
+    "a letter from a friend",
+    "bread",
+    "the forest",
 )
 
 _INTEGER = re.compile(r"-?\d+")
@@ -35,8 +63,7 @@ _INTEGER = re.compile(r"-?\d+")
 
 def chatml(user: str, system: str = SMOLLM2_SYSTEM) -> str:
     """One user turn in SmolLM2-Instruct's chat format, ending where the assistant's reply starts."""
-    return (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-            "<|im_start|>assistant\n")
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,8 +71,10 @@ def _vader():
     try:
         from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("vader_sentiment_reward needs the vaderSentiment package: pip install vaderSentiment "
-                          "(or pip install -e '.[real]')") from err
+        raise ImportError(
+            "vader_sentiment_reward needs the vaderSentiment package: pip install vaderSentiment "
+            "(or pip install -e '.[real]')"
+        ) from err
     return SentimentIntensityAnalyzer()
 
 
@@ -60,12 +89,13 @@ def last_integer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def arithmetic_reward(prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any] | None = None,
-                      **meta: Any) -> list[float]:
+def arithmetic_reward(
+    prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any] | None = None, **meta: Any
+) -> list[float]:
     """1.0 when the last integer of the reply equals `answer` (a column of the prompt rows), else 0.0."""
     if answer is None:
         raise ValueError("arithmetic_reward needs an 'answer' column in the prompt rows")
-    return [1.0 if last_integer(r) == int(a) else 0.0 for r, a in zip(responses, answer)]
+    return [1.0 if last_integer(r) == int(a) else 0.0 for r, a in zip(responses, answer, strict=True)]
 
 
 def sentiment_rows(seed: int = 0) -> list[dict[str, Any]]:

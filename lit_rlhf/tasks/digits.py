@@ -20,6 +20,7 @@ DIGITS = "0123456789"
 SEPARATOR = ">"
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 
+
 def builtin_tokenizer():
     """A character-level fast tokenizer over digits and '>', trained offline with `tokenizers`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -70,14 +71,14 @@ def sort_digits_score(prompt: str, response: str) -> float:
     over (the longer of answer and response) + 1. '1234' for '3142>' scores 1; '12' scores 2/5."""
     target = "".join(sorted(prompt.split(SEPARATOR)[0]))
     response = response.strip()
-    hits = sum(1 for a, b in zip(target, response) if a == b)
+    hits = sum(1 for a, b in zip(target, response, strict=False) if a == b)
     right_length = len(response) == len(target)
     return (hits + right_length) / (max(len(target), len(response)) + 1)
 
 
 def sort_digits_reward(prompts: Sequence[str], responses: Sequence[str], **meta: Any) -> list[float]:
     """Reward function for the built-in task: one partial-credit score per (prompt, response)."""
-    return [sort_digits_score(p, r) for p, r in zip(prompts, responses)]
+    return [sort_digits_score(p, r) for p, r in zip(prompts, responses, strict=True)]
 
 
 def builtin_reward_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
@@ -95,6 +96,7 @@ def builtin_reward_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
 # `sort_digits_score` is `chosen`, the other `rejected` (ties are redrawn). Candidates mix the kinds of answers
 # a policy produces while it learns: random strings, the prompt's digits copied, partly sorted answers,
 # answers with wrong digits, too short or too long, and the right one.
+
 
 def _random_digits(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(DIGITS) for _ in range(n))

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -109,7 +110,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Paths with a URL scheme (s3://, gs://, ...) fall back to Lightning's own writer.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         path = str(path)
         if "://" in path and not path.startswith("file://"):
             return super().save_checkpoint(checkpoint, path, storage_options)
@@ -118,10 +119,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path.removeprefix("file://"))
 
     def load_checkpoint(
-        self, path, map_location: Optional[Callable] = lambda storage, loc: storage, weights_only: Optional[bool] = None
+        self, path, map_location: Callable | None = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
         path = str(path)
         if "://" in path and not path.startswith("file://"):
             return super().load_checkpoint(path, map_location, True if weights_only is None else weights_only)
-        return load_checkpoint_file(path.removeprefix("file://"), map_location,
-                                    True if weights_only is None else weights_only)
+        return load_checkpoint_file(
+            path.removeprefix("file://"), map_location, True if weights_only is None else weights_only
+        )

@@ -3,6 +3,7 @@ samples table."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,12 +24,13 @@ def rollout_metrics(exp: Experience, algo: AlgorithmConfig) -> dict[str, float]:
         "rollout/frac_truncated": float(exp.truncated.float().mean()),
     }
     kl_per_seq = losses.masked_sum(exp.kl, mask, dim=1) if exp.kl is not None else torch.zeros_like(exp.scores)
-    reward = exp.scores - (algo.kl_coef * kl_per_seq if algo.kl_in_reward else 0.0)
+    reward = exp.scores - (algo.filled.kl_coef * kl_per_seq if algo.kl_in_reward else 0.0)
     metrics["rollout/reward_mean"] = float(reward.mean())
     metrics["rollout/reward_std"] = float(reward.std()) if exp.batch_size > 1 else 0.0
     metrics["objective/kl"] = float(kl_per_seq.mean())
-    if algo.group_size > 1:
-        grouped = exp.scores.view(-1, algo.group_size)
+    group_size = algo.filled.group_size
+    if group_size > 1:
+        grouped = exp.scores.view(-1, group_size)
         metrics["rollout/frac_reward_zero_std"] = float((grouped.std(1) == 0).float().mean())
     if exp.values is not None and exp.returns is not None:
         metrics["value/explained_variance"] = float(losses.explained_variance(exp.values, exp.returns, mask))
@@ -58,8 +60,10 @@ class MetricWindow:
             self._last[key] = value
 
     def values(self) -> dict[str, float]:
-        return {key: self._last[key] if key in self.last_value_keys else total / self._counts[key]
-                for key, total in self._sums.items()}
+        return {
+            key: self._last[key] if key in self.last_value_keys else total / self._counts[key]
+            for key, total in self._sums.items()
+        }
 
 
 def mean_over(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -80,3 +84,36 @@ def samples_table(exp: Experience, group_size: int, count: int = 4) -> str:
     for i in list(range(0, exp.batch_size, group_size))[:count]:
         lines.append(f"| `{exp.prompts[i]}` | `{exp.responses[i]}` | {float(exp.scores[i]):.3f} |")
     return "\n".join(lines)
+
+
+def write_samples(logger: Any, table: str, step: int) -> None:
+    """The samples table to a logger that takes text (TensorBoard's `add_text`); others are skipped."""
+    experiment = getattr(logger, "experiment", None) if logger is not None else None
+    if experiment is not None and hasattr(experiment, "add_text"):
+        experiment.add_text("samples", table, global_step=step)
+
+
+class PhaseClock:
+    """Wall time of a training step's phases: `mark(name)` ends the phase that ran since the last mark."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = now - self.last
+        self.last = now
+
+    def total_s(self) -> float:
+        return max(self.last - self.start, 1e-9)
+
+    def metrics(self, rollout_timings: Any) -> dict[str, float]:
+        """`time/*` metrics; `time/rollout_s` spans generation, scoring and evaluation, as it always has."""
+        return {
+            "time/generate_s": rollout_timings.generate_s,
+            "time/score_s": rollout_timings.score_s,
+            "time/evaluate_s": self.phases["evaluate"],
+            "time/rollout_s": self.phases["rollout"] + self.phases["evaluate"],
+            "time/update_s": self.phases["update"],
+        }

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning as L
 import torch
 
 CHECKPOINT_KEY = "lit_rlhf"
@@ -70,7 +71,7 @@ class TrainingState:
         self.update_generator.set_state(saved["update_generator"])
         per_rank = saved.get("torch_rng_per_rank")
         self.rng_restored_per_rank = per_rank is not None and len(per_rank) == world_size
-        state = per_rank[rank] if self.rng_restored_per_rank else saved["torch_rng"]
+        state = per_rank[rank] if per_rank is not None and self.rng_restored_per_rank else saved["torch_rng"]
         torch.set_rng_state(state.clone())  # a view with a storage offset crashes set_rng_state
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])
@@ -79,22 +80,38 @@ class TrainingState:
             torch.cuda.set_rng_state(cuda_per_rank[rank].clone(), device)
 
 
-def save_training_state(checkpoint: dict[str, Any], state: TrainingState, rebuilt_prefixes: tuple[str, ...],
-                        strategy: Any | None, world_size: int) -> None:
+def save_training_state(
+    checkpoint: dict[str, Any],
+    state: TrainingState,
+    rebuilt_prefixes: tuple[str, ...],
+    strategy: Any | None,
+    world_size: int,
+) -> None:
     """Into a Lightning checkpoint: the training state, without the weights under `rebuilt_prefixes` (frozen
     models reloaded from their source), and dataclass settings as plain dicts (weights-only loadable)."""
     state_dict = checkpoint["state_dict"]
     for key in [k for k in state_dict if k.startswith(rebuilt_prefixes)]:
         del state_dict[key]
-    checkpoint[CHECKPOINT_KEY] = {**state.to_checkpoint(strategy, world_size), "rebuilt_prefixes": list(rebuilt_prefixes)}
+    checkpoint[CHECKPOINT_KEY] = {
+        **state.to_checkpoint(strategy, world_size),
+        "rebuilt_prefixes": list(rebuilt_prefixes),
+    }
     hparams = checkpoint.get("hyper_parameters")
     if isinstance(hparams, dict):
-        checkpoint["hyper_parameters"] = {k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-                                          for k, v in hparams.items()}
+        checkpoint["hyper_parameters"] = {
+            k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+            for k, v in hparams.items()
+        }
 
 
-def load_training_state(checkpoint: dict[str, Any], state: TrainingState, own_weights: dict[str, Any], rank: int,
-                        world_size: int, device: torch.device) -> None:
+def load_training_state(
+    checkpoint: dict[str, Any],
+    state: TrainingState,
+    own_weights: dict[str, Any],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> None:
     """From a Lightning checkpoint: the training state, and the module's `own_weights` where the file left
     them out."""
     saved = checkpoint.get(CHECKPOINT_KEY)
@@ -104,3 +121,40 @@ def load_training_state(checkpoint: dict[str, Any], state: TrainingState, own_we
     if prefixes:
         checkpoint["state_dict"].update({k: v for k, v in own_weights.items() if k.startswith(prefixes)})
     state.restore(saved, rank, world_size, device)
+
+
+def attached_trainer(module: Any) -> Any | None:
+    """The module's Trainer, or None when it has none (Lightning's `module.trainer` raises then)."""
+    try:
+        return module.trainer
+    except RuntimeError:
+        return None
+
+
+class ExactResume(L.LightningModule):
+    """A LightningModule whose checkpoints resume exactly: its `state` (a `TrainingState`) and every rank's RNG
+    are saved and restored; `rebuilt_prefixes()` names frozen weights the checkpoints leave out."""
+
+    state: TrainingState
+
+    def rebuilt_prefixes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def on_fit_start(self) -> None:
+        """Every rank was seeded alike (same initial weights); give each rank its own sampling stream, so the
+        ranks do not draw the same noise for their different prompts. A resume restores each rank's own stream."""
+        if self.trainer.world_size > 1 and not self.state.rng_restored_per_rank:
+            torch.manual_seed((torch.initial_seed() + self.trainer.global_rank) % 2**63)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Drop rebuildable frozen weights; keep counters and RNG states for an exact resume."""
+        world = self.trainer.world_size
+        strategy = self.trainer.strategy if world > 1 else None
+        save_training_state(checkpoint, self.state, self.rebuilt_prefixes(), strategy, world)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Put back the frozen weights rebuilt from source, and the counters and RNG states."""
+        trainer = attached_trainer(self)  # None in load_from_checkpoint
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        device = trainer.strategy.root_device if trainer is not None else self.device  # the module is not moved yet
+        load_training_state(checkpoint, self.state, self.state_dict(), rank, world, device)

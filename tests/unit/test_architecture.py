@@ -56,7 +56,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -81,20 +81,25 @@ def test_no_import_cycle_in_the_package():
 
 
 def test_the_library_never_imports_task_code():
-    offenders = {name: sorted(m for m in deps if m.startswith("lit_rlhf.tasks"))
-                 for name, deps in import_graph().items() if not name.startswith("lit_rlhf.tasks")}
+    offenders = {
+        name: sorted(m for m in deps if m.startswith("lit_rlhf.tasks"))
+        for name, deps in import_graph().items()
+        if not name.startswith("lit_rlhf.tasks")
+    }
     assert {name: deps for name, deps in offenders.items() if deps} == {}
 
 
 def test_importing_the_package_installs_no_warning_filters():
-    code = ("import warnings, lightning, torch, transformers, peft\n"
-            "before = list(warnings.filters)\n"
-            "import lit_rlhf, lit_rlhf.cli, lit_rlhf.registry\n"
-            "from lit_rlhf.registry import get_task\n"
-            "get_task('builtin:digits', 'test')\n"
-            "added = [f for f in warnings.filters if f not in before]\n"
-            "print(added)\n"
-            "assert added == [], added\n")
+    code = (
+        "import warnings, lightning, torch, transformers, peft\n"
+        "before = list(warnings.filters)\n"
+        "import lit_rlhf, lit_rlhf.cli, lit_rlhf.registry\n"
+        "from lit_rlhf.registry import get_task\n"
+        "get_task('builtin:digits', 'test')\n"
+        "added = [f for f in warnings.filters if f not in before]\n"
+        "print(added)\n"
+        "assert added == [], added\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
 
 

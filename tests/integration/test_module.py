@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from conftest import checksum, make_policy, make_trainer, prompt_batch
-from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf.types import split_rows
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
@@ -41,9 +41,12 @@ def algorithm(name: str, **kwargs) -> AlgorithmConfig:
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
 def test_first_minibatch_has_ratio_one_and_zero_approx_kl(tokenizer, name):
     module = RLHFModule(
-        policy=dropout_policy(), tokenizer=tokenizer, reward_fns=[length_reward],
+        policy=dropout_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[length_reward],
         algorithm=algorithm(name, ppo_epochs=2, num_minibatches=2),
-        sampling=SamplingConfig(max_new_tokens=6), lr=1e-2,
+        sampling=SamplingConfig(max_new_tokens=6),
+        lr=1e-2,
     )
     dm = RolloutDataModule(prompts="builtin:digits", batch_size=4, max_prompt_length=16)
     trainer = make_trainer(max_steps=4)  # one rollout: 2 epochs x 2 minibatches
@@ -63,8 +66,11 @@ def test_first_minibatch_has_ratio_one_and_zero_approx_kl(tokenizer, name):
 
 
 def grads_of(module: RLHFModule) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in module.actor_critic.named_parameters()
-            if p.requires_grad and p.grad is not None}
+    return {
+        n: p.grad.detach().clone()
+        for n, p in module.actor_critic.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
 
 
 def minibatch_grads(module, exp, micro_rows: list[slice], own_totals: bool = False) -> dict[str, torch.Tensor]:
@@ -83,7 +89,10 @@ def minibatch_grads(module, exp, micro_rows: list[slice], own_totals: bool = Fal
 @pytest.mark.parametrize(
     "name, extra",
     [
-        ("ppo", dict(mask_truncated=True, micro_batch_size=2)),  # critic, KL in the reward (micro-batches: evaluated in the rollout)
+        (
+            "ppo",
+            dict(mask_truncated=True, micro_batch_size=2),
+        ),  # critic, KL in the reward (micro-batches: evaluated in the rollout)
         ("grpo", dict(group_size=4, kl_coef=0.04, kl_estimator="k3", ppo_epochs=2)),  # KL in the loss
         ("grpo", dict(group_size=4, kl_coef=0.04, kl_estimator="k3")),  # one pass: old log-probs from the update
         ("grpo", dict(group_size=4, kl_coef=0.04, kl_estimator="full")),
@@ -91,13 +100,17 @@ def minibatch_grads(module, exp, micro_rows: list[slice], own_totals: bool = Fal
 )
 def test_micro_batches_give_the_gradient_of_the_whole_minibatch(tokenizer, name, extra, aggregation):
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=[REWARD],
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[REWARD],
         algorithm=AlgorithmConfig(name=name, loss_aggregation=aggregation, entropy_coef=0.01, **extra),
         sampling=SamplingConfig(max_new_tokens=6),
     )
     texts = ["3142>", "907>", "55>", "1234>", "8>", "602>", "71>", "4>"]
     torch.manual_seed(5)
-    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, texts[: 8 // module.algorithm.group_size]))[0])
+    exp = module.make_experience(
+        module.make_rollout(prompt_batch(tokenizer, texts[: 8 // module.algorithm.group_size]))[0]
+    )
     assert exp.batch_size == 8
     lengths = exp.response_mask.sum(1)
     assert len(set(lengths.tolist())) > 1 and exp.loss_mask.any()  # uneven lengths make the modes differ
@@ -114,8 +127,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_minibatch(tokenizer, name,
     expected_params = {n for n, p in module.actor_critic.named_parameters() if p.requires_grad}
     assert set(whole) == expected_params
 
-    for rows in ([slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)], [slice(0, 3), slice(3, 8)],
-                 split_rows(8, 1)):
+    for rows in ([slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)], [slice(0, 3), slice(3, 8)], split_rows(8, 1)):
         micro = minibatch_grads(module, exp, rows)
         assert set(micro) == set(whole)
         for key in whole:
@@ -139,25 +151,33 @@ class GradientRecorder(RLHFModule):
         self.reference_records: list[tuple[bool, bool, bool]] = []
 
     def clip_and_step(self, *args, **kwargs):
-        self.grad_records.append({
-            n: p.grad is not None and bool(p.grad.abs().sum() > 0)
-            for n, p in self.actor_critic.named_parameters() if p.requires_grad
-        })
+        self.grad_records.append(
+            {
+                n: p.grad is not None and bool(p.grad.abs().sum() > 0)
+                for n, p in self.actor_critic.named_parameters()
+                if p.requires_grad
+            }
+        )
         ref = self.reference
-        self.reference_records.append((
-            ref.training,
-            any(p.requires_grad for p in ref.parameters()),
-            any(p.grad is not None for p in ref.parameters()),
-        ))
+        self.reference_records.append(
+            (
+                ref.training,
+                any(p.requires_grad for p in ref.parameters()),
+                any(p.grad is not None for p in ref.parameters()),
+            )
+        )
         return super().clip_and_step(*args, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
 def test_short_fit_trains_every_trainable_parameter_and_keeps_reference_frozen(tokenizer, name):
     module = GradientRecorder(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=[REWARD],
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[REWARD],
         algorithm=algorithm(name, group_size=4) if name == "grpo" else algorithm(name),
-        sampling=SamplingConfig(max_new_tokens=6), lr=1e-3,
+        sampling=SamplingConfig(max_new_tokens=6),
+        lr=1e-3,
     )
     trainable = {n: p.detach().clone() for n, p in module.actor_critic.named_parameters() if p.requires_grad}
     reference = {n: p.detach().clone() for n, p in module.reference.named_parameters()}
@@ -175,7 +195,9 @@ def test_short_fit_trains_every_trainable_parameter_and_keeps_reference_frozen(t
         assert set(record) == set(trainable)
     never = [n for n in trainable if not any(r[n] for r in module.grad_records)]
     assert never == []
-    unchanged = [n for n, p in module.actor_critic.named_parameters() if p.requires_grad and torch.equal(p, trainable[n])]
+    unchanged = [
+        n for n, p in module.actor_critic.named_parameters() if p.requires_grad and torch.equal(p, trainable[n])
+    ]
     assert unchanged == []
 
     # the reference: bit-identical, in eval mode during every update, no gradients, not in the optimizer
@@ -190,7 +212,8 @@ def test_short_fit_trains_every_trainable_parameter_and_keeps_reference_frozen(t
     assert not optimized & {id(p) for p in module.reference.parameters()}
     # reference weights are not shared with the policy
     assert not {p.data_ptr() for p in module.reference.parameters()} & {
-        p.data_ptr() for p in module.actor_critic.parameters()}
+        p.data_ptr() for p in module.actor_critic.parameters()
+    }
 
 
 # ----------------------------------------------------------------------------- freshness
@@ -211,20 +234,27 @@ class FreshnessRecorder(RLHFModule):
         return rollout, timings
 
     def on_experience(self, experience):
-        self.records.append(dict(
-            sampled=self.sampled_with[0], sampled_version=self.sampled_with[1],
-            at_update=checksum(self.actor_critic), exp_version=experience.policy_version,
-            version=self.state.policy_version, global_step=self.global_step,
-        ))
+        self.records.append(
+            dict(
+                sampled=self.sampled_with[0],
+                sampled_version=self.sampled_with[1],
+                at_update=checksum(self.actor_critic),
+                exp_version=experience.policy_version,
+                version=self.state.policy_version,
+                global_step=self.global_step,
+            )
+        )
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
 def test_every_rollout_comes_from_the_weights_its_update_starts_from(tokenizer, name):
     updates_per_rollout = 2
     module = FreshnessRecorder(
-        policy="builtin:digits", reward_fns=[REWARD],
+        policy="builtin:digits",
+        reward_fns=[REWARD],
         algorithm=algorithm(name, num_minibatches=updates_per_rollout),
-        sampling=SamplingConfig(max_new_tokens=5), lr=1e-3,
+        sampling=SamplingConfig(max_new_tokens=5),
+        lr=1e-3,
     )
     trainer = make_trainer(max_steps=5 * updates_per_rollout)
     trainer.fit(module, RolloutDataModule(prompts="builtin:digits", batch_size=4, max_prompt_length=16))
@@ -258,8 +288,17 @@ def test_drop_in_with_users_model_tokenizer_and_python_reward(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                                      bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=32,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
     seen: list[str] = []
 
     def my_reward(prompts, responses, **meta):
@@ -269,8 +308,12 @@ def test_drop_in_with_users_model_tokenizer_and_python_reward(tokenizer):
     length_reward = LengthReward()
     prompts = ["12>", "31>", "987>", "5>"]
     module = RLHFModule(
-        policy=model, tokenizer=tokenizer, reward_fns=[my_reward, length_reward], reward_weights=[1.0, 0.5],
-        algorithm=AlgorithmConfig(name="grpo", group_size=2), sampling=SamplingConfig(max_new_tokens=4),
+        policy=model,
+        tokenizer=tokenizer,
+        reward_fns=[my_reward, length_reward],
+        reward_weights=[1.0, 0.5],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=4),
         lr=1e-3,
     )
     assert module.actor_critic.policy is model  # the user's instance is trained in place

@@ -17,11 +17,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from conftest import make_policy, make_trainer
 from lit_rlhf import AlgorithmConfig, ConfigError, RLHFModule, RolloutDataModule, SamplingConfig
+from lit_rlhf.rewards.functions import RewardError, call_reward_fn
 from lit_rlhf.tasks.digits import builtin_tokenizer
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
-from lit_rlhf.rewards.functions import RewardError, call_reward_fn
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 CASES: dict[str, tuple] = {}
 
@@ -43,8 +43,13 @@ class Env:
         self.ppo_checkpoint = ppo_checkpoint
 
     def module(self, name="grpo", **kwargs):
-        settings = dict(policy=make_policy(), tokenizer=builtin_tokenizer(), reward_fns=[REWARD],
-                        algorithm=AlgorithmConfig(name=name, group_size=2), sampling=SamplingConfig(max_new_tokens=3))
+        settings = dict(
+            policy=make_policy(),
+            tokenizer=builtin_tokenizer(),
+            reward_fns=[REWARD],
+            algorithm=AlgorithmConfig(name=name, group_size=2),
+            sampling=SamplingConfig(max_new_tokens=3),
+        )
         return RLHFModule(**{**settings, **kwargs})
 
     def resume(self, module, ckpt_path, plugins=()):
@@ -56,11 +61,23 @@ class Env:
 def ppo_checkpoint(tmp_path_factory) -> Path:
     """A real checkpoint of a one-step PPO run (tiny policy with a value head)."""
     folder = tmp_path_factory.mktemp("ppo_ckpt")
-    module = RLHFModule(policy=make_policy(), tokenizer=builtin_tokenizer(), reward_fns=[REWARD],
-                        algorithm=AlgorithmConfig(name="ppo", group_size=2), sampling=SamplingConfig(max_new_tokens=3))
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, plugins=[AtomicCheckpointIO()],
-                        callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)])
+    module = RLHFModule(
+        policy=make_policy(),
+        tokenizer=builtin_tokenizer(),
+        reward_fns=[REWARD],
+        algorithm=AlgorithmConfig(name="ppo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=3),
+    )
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=0, save_last=True)],
+    )
     trainer.fit(module, RolloutDataModule(prompts=["12>", "34>"], batch_size=2))
     return folder / "last.ckpt"
 
@@ -170,8 +187,10 @@ def _(env):
     folder = env.tmp / "remote"
     make_policy().save_pretrained(folder)
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="my_custom_model",
-                  auto_map={"AutoConfig": "my_code.MyConfig", "AutoModelForCausalLM": "my_code.MyModel"})
+    config.update(
+        model_type="my_custom_model",
+        auto_map={"AutoConfig": "my_code.MyConfig", "AutoModelForCausalLM": "my_code.MyModel"},
+    )
     (folder / "config.json").write_text(json.dumps(config))
     marker = env.tmp / "remote_code_ran"
     (folder / "my_code.py").write_text(f"open({str(marker)!r}, 'w')\n")
@@ -181,21 +200,29 @@ def _(env):
         assert not marker.exists(), "the folder's code ran"
 
 
-@case("tokenizer-larger-than-model-vocabulary", ConfigError, r"model.tokenizer: 14 tokens, but model.policy embeds only 8")
+@case(
+    "tokenizer-larger-than-model-vocabulary", ConfigError, r"model.tokenizer: 14 tokens, but model.policy embeds only 8"
+)
 def _(env):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    small = GPT2LMHeadModel(GPT2Config(vocab_size=8, n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                                       bos_token_id=1, eos_token_id=1))
+    small = GPT2LMHeadModel(
+        GPT2Config(vocab_size=8, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=1, eos_token_id=1)
+    )
     env.module(policy=small)
 
 
-@case("reward-model-with-two-outputs", ConfigError, r"reward_model: expected a model with one output \(num_labels=1\), got 2")
+@case(
+    "reward-model-with-two-outputs",
+    ConfigError,
+    r"reward_model: expected a model with one output \(num_labels=1\), got 2",
+)
 def _(env):
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    rm = GPT2ForSequenceClassification(GPT2Config(vocab_size=14, n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                                                  num_labels=2, pad_token_id=0))
+    rm = GPT2ForSequenceClassification(
+        GPT2Config(vocab_size=14, n_positions=32, n_embd=16, n_layer=1, n_head=2, num_labels=2, pad_token_id=0)
+    )
     env.module(reward_model=rm)
 
 
@@ -215,7 +242,11 @@ def _(env):
     call_reward_fn(none_reward, ["1>", "2>"], ["1", "2"], {})
 
 
-@case("reward-fn-returns-a-matrix", RewardError, r"matrix_reward returned shape \(2, 2\); expected one score per response \(2,\)")
+@case(
+    "reward-fn-returns-a-matrix",
+    RewardError,
+    r"matrix_reward returned shape \(2, 2\); expected one score per response \(2,\)",
+)
 def _(env):
     def matrix_reward(prompts, responses, **meta):
         return torch.zeros(2, 2)
@@ -256,7 +287,11 @@ def _(env):
     SamplingConfig(top_k=-1)
 
 
-@case("jsonl-prompt-not-a-string", ConfigError, r"data.prompts: .*prompts.jsonl:2: field 'prompt' must be a string, got int")
+@case(
+    "jsonl-prompt-not-a-string",
+    ConfigError,
+    r"data.prompts: .*prompts.jsonl:2: field 'prompt' must be a string, got int",
+)
 def _(env):
     path = env.tmp / "prompts.jsonl"
     path.write_text('{"prompt": "12>"}\n{"prompt": 5}\n')
@@ -303,7 +338,11 @@ def _(env, capsys):
     run_cli(env, capsys, "--config", DEBUG, "--model.lr", "fast")
 
 
-@case("yaml-invalid-value", ValueError, r"Parser key \"name\":\s+Expected a typing.Literal\['ppo', 'grpo'\]. Got value: dpo")
+@case(
+    "yaml-invalid-value",
+    ValueError,
+    r"Parser key \"name\":\s+Expected a typing.Literal\['ppo', 'grpo'\]. Got value: dpo",
+)
 def _(env, capsys):
     run_cli(env, capsys, "--config", DEBUG, "--model.algorithm.name", "dpo")
 
@@ -331,11 +370,13 @@ def test_bad_input_gets_a_clear_error(case_id, env, capsys):
 
 
 def test_readme_table_cites_only_existing_tests():
-    """Every row of the README's bad-input table names a test that exists; every case here is in the table."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Bad inputs", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Bad input")
-            and not set(line) <= set("|- ")]
+    """Every row of the bad-input table (docs/bad-inputs.md) names a test that exists; every case here is in it."""
+    section = (ROOT / "docs" / "bad-inputs.md").read_text(encoding="utf-8")
+    rows = [
+        line
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| Bad input") and not set(line) <= set("|- ")
+    ]
     cited = [re.findall(r"`([\w/.]+\.py)::([\w\-\[\]./]+)`", row) for row in rows]
     assert all(cited), [row for row, refs in zip(rows, cited) if not refs]
     for refs in cited:
@@ -343,7 +384,8 @@ def test_readme_table_cites_only_existing_tests():
             if file == "test_bad_inputs.py":
                 assert name in CASES, name
             else:
-                assert re.search(rf"def {re.escape(name.split('[')[0])}\(", (ROOT / "tests" / file).read_text()), name
+                (path,) = (ROOT / "tests").rglob(file)
+                assert re.search(rf"def {re.escape(name.split('[')[0])}\(", path.read_text()), name
     in_table = {name for refs in cited for file, name in refs if file == "test_bad_inputs.py"}
     assert set(CASES) <= in_table, sorted(set(CASES) - in_table)
     assert len(rows) >= 20

@@ -1,17 +1,16 @@
 """Every YAML file in configs/ parses and runs one rollout through the real CLI."""
 
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
-
-import inspect
 
 import pytest
 import yaml
 
 from lit_rlhf import RLHFModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
@@ -46,17 +45,34 @@ def test_config_runs_one_rollout(path, tmp_path, monkeypatch):
     # paths in a config are relative to the repository root, where users run it; the run itself goes to tmp_path
     paths = [(f"model.{key}", config.get("model", {}).get(key)) for key in ("policy", "reward_model")]
     paths.append(("data.prompts", config.get("data", {}).get("prompts")))
-    rooted = [f"--{key}={ROOT / value}" for key, value in paths
-              if isinstance(value, str) and not value.startswith("builtin:") and (ROOT / value).exists()]
+    rooted = [
+        f"--{key}={ROOT / value}"
+        for key, value in paths
+        if isinstance(value, str) and not value.startswith("builtin:") and (ROOT / value).exists()
+    ]
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train.py"])  # the CLI reads only `args`, not pytest's own arguments
     train = _load_train()
-    cli = train.main([
-        "fit", "--config", str(path), *rooted,
-        "--trainer.max_steps", "1", "--trainer.max_time", "null",
-        "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
-        "--trainer.callbacks", "null", "--trainer.enable_progress_bar", "false",
-    ])
+    cli = train.main(
+        [
+            "fit",
+            "--config",
+            str(path),
+            *rooted,
+            "--trainer.max_steps",
+            "1",
+            "--trainer.max_time",
+            "null",
+            "--trainer.logger",
+            "false",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.callbacks",
+            "null",
+            "--trainer.enable_progress_bar",
+            "false",
+        ]
+    )
     module = cli.model
     # one rollout ran all of its optimizer steps
     algo = module.algorithm

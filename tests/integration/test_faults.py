@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import Callback
 
 from conftest import EOS_ID, checksum, make_policy, make_trainer
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.tasks.digits import sort_digits_reward
 from lit_rlhf.rewards.functions import RewardError
+from lit_rlhf.tasks.digits import sort_digits_reward
 
 PROMPTS = ["3142>", "907>", "55>", "1234>"]
 
@@ -30,9 +30,13 @@ class StepWatcher(RLHFModule):
         try:
             return super().clip_and_step(stats)
         finally:
-            self.steps.append({"skipped": self.state.skipped_updates > skipped_before,
-                               "unchanged": checksum(self.actor_critic) == before,
-                               "bad": sorted(k for k, v in stats.items() if not math.isfinite(v))})
+            self.steps.append(
+                {
+                    "skipped": self.state.skipped_updates > skipped_before,
+                    "unchanged": checksum(self.actor_critic) == before,
+                    "bad": sorted(k for k, v in stats.items() if not math.isfinite(v)),
+                }
+            )
 
 
 class Logged(Callback):
@@ -68,9 +72,13 @@ class HugeFirstRollout:
 
 def test_non_finite_loss_skips_the_update_and_training_goes_on(tokenizer):
     module = StepWatcher(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=[HugeFirstRollout()],
-        algorithm=AlgorithmConfig(name="ppo", group_size=2, num_minibatches=2), sampling=SamplingConfig(max_new_tokens=4),
-        lr=1e-2, max_consecutive_skips=3,
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[HugeFirstRollout()],
+        algorithm=AlgorithmConfig(name="ppo", group_size=2, num_minibatches=2),
+        sampling=SamplingConfig(max_new_tokens=4),
+        lr=1e-2,
+        max_consecutive_skips=3,
     )
     logged = Logged()
     trainer = fit(module, max_steps=4, callbacks=[logged])
@@ -87,17 +95,24 @@ def test_non_finite_loss_skips_the_update_and_training_goes_on(tokenizer):
 @pytest.mark.parametrize("fault, named", [("loss", "policy/loss"), ("gradient", "optim/grad_norm")])
 def test_consecutive_non_finite_steps_stop_with_an_error_naming_what(tokenizer, monkeypatch, fault, named):
     module = StepWatcher(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=[sort_digits_reward],
-        algorithm=AlgorithmConfig(name="grpo", group_size=2), sampling=SamplingConfig(max_new_tokens=4),
-        lr=1e-2, max_consecutive_skips=2,
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[sort_digits_reward],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=4),
+        lr=1e-2,
+        max_consecutive_skips=2,
     )
     start = checksum(module.actor_critic)
     if fault == "loss":
         from lit_rlhf.algorithms import losses
 
         clipped = losses.clipped_policy_loss
-        monkeypatch.setattr(losses, "clipped_policy_loss",
-                            lambda *a, **k: (lambda out: (out[0] * float("nan"), out[1]))(clipped(*a, **k)))
+        monkeypatch.setattr(
+            losses,
+            "clipped_policy_loss",
+            lambda *a, **k: (lambda out: (out[0] * float("nan"), out[1]))(clipped(*a, **k)),
+        )
     else:  # a finite loss whose gradient overflows
         weight = module.actor_critic.policy.transformer.wte.weight
         weight.register_hook(lambda grad: grad * float("inf"))
@@ -121,8 +136,13 @@ def nan_reward(prompts, responses, **meta):
 
 
 def test_reward_function_that_raises_stops_fit_naming_function_and_prompt(tokenizer):
-    module = RLHFModule(policy=make_policy(), tokenizer=tokenizer, reward_fns=[exploding_reward],
-                        algorithm=AlgorithmConfig(name="grpo", group_size=2), sampling=SamplingConfig(max_new_tokens=3))
+    module = RLHFModule(
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[exploding_reward],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=3),
+    )
     with pytest.raises(RewardError) as info:
         fit(module, max_steps=1)
     assert "exploding_reward raised KeyError" in str(info.value) and "'3142>'" in str(info.value)
@@ -130,8 +150,13 @@ def test_reward_function_that_raises_stops_fit_naming_function_and_prompt(tokeni
 
 
 def test_nan_reward_is_an_error_in_fit_unless_nan_score_replaces_it(tokenizer):
-    settings = dict(policy=make_policy(), tokenizer=tokenizer, reward_fns=[nan_reward],
-                    algorithm=AlgorithmConfig(name="grpo", group_size=2), sampling=SamplingConfig(max_new_tokens=3))
+    settings = dict(
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=[nan_reward],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=3),
+    )
     with pytest.raises(RewardError, match="nan_reward returned nan for prompt '3142>'.*nan_score"):
         fit(RLHFModule(**settings), max_steps=1)
     logged = Logged()
@@ -176,9 +201,12 @@ def test_degenerate_rollouts_train_on_and_the_metrics_say_so(tokenizer, name, sc
     bias, reward, extra = SCENARIOS[scenario]
     max_new_tokens = 4
     module = RLHFModule(
-        policy=eos_biased_policy(bias), tokenizer=tokenizer, reward_fns=[reward],
+        policy=eos_biased_policy(bias),
+        tokenizer=tokenizer,
+        reward_fns=[reward],
         algorithm=AlgorithmConfig(name=name, group_size=2, kl_coef=0.05, **extra),
-        sampling=SamplingConfig(max_new_tokens=max_new_tokens), lr=1e-2,
+        sampling=SamplingConfig(max_new_tokens=max_new_tokens),
+        lr=1e-2,
     )
     logged = Logged()
     trainer = fit(module, max_steps=2, callbacks=[logged])

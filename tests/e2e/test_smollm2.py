@@ -17,7 +17,9 @@ import pytest
 
 from lit_rlhf.tasks.chat import arithmetic_reward, chatml, last_integer, vader_sentiment_reward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # end-to-end: a real fit, several processes or a pretrained model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_arithmetic_reward_reads_the_last_integer():
@@ -74,8 +76,9 @@ def test_prepared_folder_is_a_plain_checkpoint(smollm2_folder):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
     assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == 49152
     # the prompt files were written for exactly this chat template
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "Hi."}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi."}], tokenize=False, add_generation_prompt=True
+    )
     assert rendered == chatml("Hi.")
     print(f"reloaded the prepared checkpoint in {seconds:.1f} s")
 
@@ -85,8 +88,11 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
     from lit_rlhf.config import ConfigError
 
     with pytest.raises(ConfigError, match="model.policy: the folder .* does not exist"):
-        RLHFModule(policy=str(tmp_path / "models" / "smollm2-135m"), tokenizer="builtin:digits",
-                   reward_fns=["lit_rlhf.tasks.chat.vader_sentiment_reward"]).configure_model()
+        RLHFModule(
+            policy=str(tmp_path / "models" / "smollm2-135m"),
+            tokenizer="builtin:digits",
+            reward_fns=["lit_rlhf.tasks.chat.vader_sentiment_reward"],
+        ).configure_model()
 
 
 def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monkeypatch):
@@ -99,13 +105,25 @@ def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     start = time.perf_counter()
-    cli = LightningCLI(RLHFModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, args=[
-        "fit", "--config", os.path.join(ROOT, "configs", "smollm2_grpo.yaml"),
-        f"--model.policy={smollm2_folder}",
-        f"--data.prompts={os.path.join(ROOT, 'configs', 'prompts', 'smollm2_topics.jsonl')}",
-        "--data.batch_size=1", "--model.algorithm.group_size=2", "--model.sampling.max_new_tokens=4",
-        "--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false"])
+    cli = LightningCLI(
+        RLHFModule,
+        RolloutDataModule,
+        save_config_kwargs={"overwrite": True},
+        args=[
+            "fit",
+            "--config",
+            os.path.join(ROOT, "configs", "smollm2_grpo.yaml"),
+            f"--model.policy={smollm2_folder}",
+            f"--data.prompts={os.path.join(ROOT, 'configs', 'prompts', 'smollm2_topics.jsonl')}",
+            "--data.batch_size=1",
+            "--model.algorithm.group_size=2",
+            "--model.sampling.max_new_tokens=4",
+            "--trainer.max_steps=1",
+            "--trainer.logger=false",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+        ],
+    )
     seconds = time.perf_counter() - start
     module = cli.model
     assert cli.trainer.global_step == 1 and module.state.policy_version == 1

@@ -576,7 +576,9 @@ def test_group_advantages_hand_numbers():
     # deviations -0.75, 0.25, 1.25, 4.25, -1.75, -1.75, -0.75, -0.75 -> squares sum 27.5, var 27.5/7
     sb = math.sqrt(27.5 / 7)
     bs = L.group_advantages(scores, 4, "batch_std")
-    assert bs.tolist() == pytest.approx([-2 / sb, -1 / sb, 0.0, 3 / sb, -0.5 / sb, -0.5 / sb, 0.5 / sb, 0.5 / sb], abs=1e-5)
+    assert bs.tolist() == pytest.approx(
+        [-2 / sb, -1 / sb, 0.0, 3 / sb, -0.5 / sb, -0.5 / sb, 0.5 / sb, 0.5 / sb], abs=1e-5
+    )
 
 
 def group_reference(scores: list[float], G: int, estimator: str, eps: float = 1e-6) -> list[float]:

@@ -12,11 +12,11 @@ from conftest import checksum, make_policy, make_trainer
 
 pytest.importorskip("peft")
 
+from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.algorithms.objective import MinibatchTotals
-from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig  # noqa: E402
-from lit_rlhf.config import ConfigError  # noqa: E402
-from lit_rlhf.models.lora import AdapterDisabledReference, parameter_bytes  # noqa: E402
-from lit_rlhf.models.actor_critic import causal_lm_response_forward  # noqa: E402
+from lit_rlhf.config import ConfigError
+from lit_rlhf.models.actor_critic import causal_lm_response_forward
+from lit_rlhf.models.lora import AdapterDisabledReference, parameter_bytes
 
 REWARD = ["lit_rlhf.tasks.digits.sort_digits_reward"]
 
@@ -30,10 +30,16 @@ class Recorder(RLHFModule):
 
 def lora_module(name: str, policy=None, **kwargs) -> Recorder:
     kwargs.setdefault("lora", {"r": 4, "alpha": 8})
-    return Recorder(policy=policy if policy is not None else make_policy(), tokenizer="builtin:digits",
-                    reward_fns=REWARD, sampling=SamplingConfig(max_new_tokens=6), lr=1e-2,
-                    algorithm=AlgorithmConfig(name=name, group_size=2, ppo_epochs=2, num_minibatches=2, kl_coef=0.05),
-                    log_samples_every_n_steps=0, **kwargs)
+    return Recorder(
+        policy=policy if policy is not None else make_policy(),
+        tokenizer="builtin:digits",
+        reward_fns=REWARD,
+        sampling=SamplingConfig(max_new_tokens=6),
+        lr=1e-2,
+        algorithm=AlgorithmConfig(name=name, group_size=2, ppo_epochs=2, num_minibatches=2, kl_coef=0.05),
+        log_samples_every_n_steps=0,
+        **kwargs,
+    )
 
 
 def fit(module: RLHFModule, steps: int, **trainer_kwargs) -> None:
@@ -90,21 +96,30 @@ def test_lora_kl_is_zero_on_the_first_step_and_the_base_weights_stay_put(name):
 
 
 def test_grpo_lora_first_update_reports_zero_kl():
-    module = Recorder(policy=make_policy(), tokenizer="builtin:digits", reward_fns=REWARD,
-                      sampling=SamplingConfig(max_new_tokens=6), lr=1e-2, lora={"r": 4},
-                      algorithm=AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.04),
-                      log_samples_every_n_steps=0)
+    module = Recorder(
+        policy=make_policy(),
+        tokenizer="builtin:digits",
+        reward_fns=REWARD,
+        sampling=SamplingConfig(max_new_tokens=6),
+        lr=1e-2,
+        lora={"r": 4},
+        algorithm=AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.04),
+        log_samples_every_n_steps=0,
+    )
     fit(module, steps=1)
     stats = module.last_update_stats[0]
     assert stats["policy/kl_loss"] == 0.0 and stats["policy/approx_kl"] == 0.0
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"r": 0}, "model.lora.r"),
-    ({"alpha": -1}, "model.lora.alpha"),
-    ({"dropout": 1.5}, "model.lora.dropout"),
-    ({"no_such_option": 1}, "model.lora"),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"r": 0}, "model.lora.r"),
+        ({"alpha": -1}, "model.lora.alpha"),
+        ({"dropout": 1.5}, "model.lora.dropout"),
+        ({"no_such_option": 1}, "model.lora"),
+    ],
+)
 def test_bad_lora_settings_fail_before_the_model_loads(settings, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
         RLHFModule(policy="./does-not-exist-yet", tokenizer="builtin:digits", reward_fns=REWARD, lora=settings)

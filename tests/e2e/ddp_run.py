@@ -1,7 +1,7 @@
 """Run a short PPO or GRPO fit under `strategy="ddp"` on CPU processes (gloo) and write what each rank saw.
 
-Not a test file. `python tests/ddp_run.py --out DIR` lets Lightning's DDP launcher start rank 1 by re-running
-the command line; `tests/test_ddp.py` starts both ranks itself with LOCAL_RANK, MASTER_PORT, ... set (as torchrun
+Not a test file. `python tests/e2e/ddp_run.py --out DIR` lets Lightning's DDP launcher start rank 1 by re-running
+the command line; `tests/e2e/test_ddp.py` starts both ranks itself with LOCAL_RANK, MASTER_PORT, ... set (as torchrun
 would), so that they import in parallel. Each rank writes `<out>/<algorithm>_<run>_rank<r>.json` with the
 prompts it sampled for, its unreduced rollout metrics, the metrics Lightning logged (reduced across ranks), a
 checksum of its trainable weights and the step time after every step. With --resume, a second fit per algorithm
@@ -19,11 +19,12 @@ import time
 import torch
 
 torch.set_num_threads(1)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for conftest
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-from conftest import checksum  # noqa: E402  (this script runs from tests/, beside conftest.py)
+from conftest import checksum  # noqa: E402
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig  # noqa: E402
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO  # noqa: E402
 from lit_rlhf.training.metrics import rollout_metrics  # noqa: E402
@@ -39,11 +40,13 @@ class Recorder(RLHFModule):
         self.rollouts: list[dict] = []
 
     def on_experience(self, experience) -> None:
-        self.rollouts.append({
-            "global_step": self.global_step,
-            "prompts": list(experience.prompts),
-            "local": rollout_metrics(experience, self.algorithm),
-        })
+        self.rollouts.append(
+            {
+                "global_step": self.global_step,
+                "prompts": list(experience.prompts),
+                "local": rollout_metrics(experience, self.algorithm),
+            }
+        )
 
 
 class StepLog(Callback):
@@ -55,12 +58,14 @@ class StepLog(Callback):
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append({
-            "global_step": trainer.global_step,
-            "seconds": time.perf_counter() - self._start,
-            "checksum": checksum(pl_module.actor_critic),
-            "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
-        })
+        self.steps.append(
+            {
+                "global_step": trainer.global_step,
+                "seconds": time.perf_counter() - self._start,
+                "checksum": checksum(pl_module.actor_critic),
+                "logged": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            }
+        )
 
 
 def main() -> None:
@@ -70,8 +75,11 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2, help="prompts per step and process")
     parser.add_argument("--max-new-tokens", type=int, default=5)
-    parser.add_argument("--resume", action="store_true",
-                        help="checkpoint every rollout, then rerun the second half from the midway checkpoint")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="checkpoint every rollout, then rerun the second half from the midway checkpoint",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     for name in args.algorithms.split(","):
@@ -83,8 +91,14 @@ def main() -> None:
 def fit(name: str, args: argparse.Namespace, run: str) -> None:
     L.seed_everything(0)
     algorithm = AlgorithmConfig(name=name, group_size=2, num_minibatches=2, micro_batch_size=1, kl_coef=0.05)
-    module = Recorder(policy="builtin:digits", reward_fns=[REWARD], algorithm=algorithm,
-                      sampling=SamplingConfig(max_new_tokens=args.max_new_tokens), lr=1e-2, lr_schedule="linear")
+    module = Recorder(
+        policy="builtin:digits",
+        reward_fns=[REWARD],
+        algorithm=algorithm,
+        sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
+        lr=1e-2,
+        lr_schedule="linear",
+    )
     data = RolloutDataModule(prompts="builtin:digits", batch_size=args.batch_size, max_prompt_length=16)
     log = StepLog()
     steps_per_rollout = algorithm.num_minibatches
@@ -93,20 +107,33 @@ def fit(name: str, args: argparse.Namespace, run: str) -> None:
     if args.resume and run == "full":
         callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=steps_per_rollout, save_top_k=-1))
     trainer = L.Trainer(
-        max_steps=args.rollouts * steps_per_rollout, accelerator="cpu", devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto", logger=False,
+        max_steps=args.rollouts * steps_per_rollout,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        logger=False,
         enable_checkpointing=args.resume and run == "full",  # else Lightning adds its own, writing into the cwd
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, plugins=[AtomicCheckpointIO()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
         log_every_n_steps=1,
     )
     midway = (args.rollouts // 2) * steps_per_rollout
     ckpt_path = os.path.join(checkpoints, f"epoch=0-step={midway}.ckpt") if run == "resumed" else None
     trainer.fit(module, data, ckpt_path=ckpt_path)
     os.makedirs(args.out, exist_ok=True)
-    record = {"rank": trainer.global_rank, "world_size": trainer.world_size, "group_size": algorithm.group_size,
-              "rollouts": module.rollouts, "steps": log.steps, "global_step": trainer.global_step}
+    record = {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "group_size": algorithm.group_size,
+        "rollouts": module.rollouts,
+        "steps": log.steps,
+        "global_step": trainer.global_step,
+    }
     with open(os.path.join(args.out, f"{name}_{run}_rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(record, handle)
+
 
 if __name__ == "__main__":
     try:

@@ -7,7 +7,7 @@ import torch
 
 from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_python_blocks() -> list[str]:

@@ -34,9 +34,15 @@ class ForwardCounter(RLHFModule):
 
 
 def count_forwards(algorithm: AlgorithmConfig, steps: int = 2) -> dict[str, float]:
-    module = ForwardCounter(policy=make_policy(), tokenizer="builtin:digits", reward_fns=[REWARD],
-                            algorithm=algorithm, sampling=SamplingConfig(max_new_tokens=4), lr=1e-3,
-                            log_samples_every_n_steps=0)
+    module = ForwardCounter(
+        policy=make_policy(),
+        tokenizer="builtin:digits",
+        reward_fns=[REWARD],
+        algorithm=algorithm,
+        sampling=SamplingConfig(max_new_tokens=4),
+        lr=1e-3,
+        log_samples_every_n_steps=0,
+    )
     updates = algorithm.ppo_epochs * algorithm.num_minibatches
     make_trainer(max_steps=steps * updates).fit(module, RolloutDataModule(batch_size=4, max_prompt_length=16))
     return {key: value / steps for key, value in module.counts.items()}
@@ -93,9 +99,15 @@ def test_evaluation_inside_the_update_gives_the_same_training_as_a_separate_eval
         algorithm = AlgorithmConfig(**settings)
         assert algorithm.policy_forward_in_rollout(8) is (micro is not None)
         torch.manual_seed(0)
-        module = StepRecorder(policy=make_policy(), tokenizer="builtin:digits", reward_fns=[REWARD],
-                              algorithm=algorithm, sampling=SamplingConfig(max_new_tokens=5), lr=3e-3,
-                              log_samples_every_n_steps=0)
+        module = StepRecorder(
+            policy=make_policy(),
+            tokenizer="builtin:digits",
+            reward_fns=[REWARD],
+            algorithm=algorithm,
+            sampling=SamplingConfig(max_new_tokens=5),
+            lr=3e-3,
+            log_samples_every_n_steps=0,
+        )
         torch.manual_seed(1)
         make_trainer(max_steps=4).fit(module, RolloutDataModule(batch_size=4, max_prompt_length=16, seed=3))
         runs[label] = module

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from lit_rlhf.algorithms import losses
-from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.models.actor_critic import causal_lm_response_forward, position_ids_from_mask
 from lit_rlhf.rollout.generation import generate
 from lit_rlhf.rollout.sampler import mask_logits, sample
+from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 from lit_rlhf.types import PromptBatch
 
 PROMPTS = ["3142>", "907>", "55>", "98765>"]
@@ -84,8 +84,17 @@ def test_top_k_1_is_greedy_and_matches_generate(policy, tokenizer):
 def test_reported_logprobs_match_a_fresh_forward(policy, tokenizer):
     batch = prompt_batch(tokenizer)
     torch.manual_seed(1)
-    out = sample(policy, batch.input_ids, batch.attention_mask, 12, tokenizer.eos_token_id, tokenizer.pad_token_id,
-                 temperature=0.7, top_k=8, return_logprobs=True)
+    out = sample(
+        policy,
+        batch.input_ids,
+        batch.attention_mask,
+        12,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        temperature=0.7,
+        top_k=8,
+        return_logprobs=True,
+    )
     is_eos = out.response_ids == tokenizer.eos_token_id  # mask: up to and including the first EOS
     mask = (is_eos.long().cumsum(1) - is_eos.long()) == 0
     ids = torch.cat([batch.input_ids, out.response_ids], 1)
@@ -105,8 +114,15 @@ def test_same_generator_seed_gives_the_same_tokens_and_leaves_the_global_rng_alo
 
     def draw(seed):
         gen = torch.Generator().manual_seed(seed)
-        return sample(policy, batch.input_ids, batch.attention_mask, 16, tokenizer.eos_token_id,
-                      tokenizer.pad_token_id, generator=gen).response_ids
+        return sample(
+            policy,
+            batch.input_ids,
+            batch.attention_mask,
+            16,
+            tokenizer.eos_token_id,
+            tokenizer.pad_token_id,
+            generator=gen,
+        ).response_ids
 
     state = torch.get_rng_state()
     a, b, c = draw(7), draw(7), draw(8)
@@ -114,8 +130,12 @@ def test_same_generator_seed_gives_the_same_tokens_and_leaves_the_global_rng_alo
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     sampling = SamplingConfig(backend="lean", max_new_tokens=16)
-    g1 = generate(policy, batch, 2, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, torch.Generator().manual_seed(3))
-    g2 = generate(policy, batch, 2, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, torch.Generator().manual_seed(3))
+    g1 = generate(
+        policy, batch, 2, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, torch.Generator().manual_seed(3)
+    )
+    g2 = generate(
+        policy, batch, 2, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id, torch.Generator().manual_seed(3)
+    )
     assert torch.equal(g1.response_ids, g2.response_ids)
 
 
@@ -165,8 +185,13 @@ def test_extra_left_padding_gives_the_same_greedy_continuation(policy, tokenizer
     ids, mask = enc["input_ids"], enc["attention_mask"]
     pad = torch.full((1, 5), tokenizer.pad_token_id)
     padded_ids, padded_mask = torch.cat([pad, ids], 1), torch.cat([torch.zeros_like(pad), mask], 1)
-    kw = dict(max_new_tokens=12, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, top_k=1,
-              return_logprobs=True)
+    kw = dict(
+        max_new_tokens=12,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        top_k=1,
+        return_logprobs=True,
+    )
     plain = sample(policy, ids, mask, **kw)
     padded = sample(policy, padded_ids, padded_mask, **kw)
     assert torch.equal(plain.response_ids, padded.response_ids)
@@ -215,8 +240,16 @@ def test_deferred_stop_check_gives_the_same_output():
     ids = torch.tensor([[7, 7], [7, 7], [7, 7]])
     for every in (1, 3, 8):
         stub = EosStub(stop=[2, 4, 1])
-        out = sample(stub, ids, torch.ones_like(ids), max_new_tokens=10, eos_token_id=1, pad_token_id=0,
-                     stop_check_every=every, return_logprobs=True)
+        out = sample(
+            stub,
+            ids,
+            torch.ones_like(ids),
+            max_new_tokens=10,
+            eos_token_id=1,
+            pad_token_id=0,
+            stop_check_every=every,
+            return_logprobs=True,
+        )
         assert out.response_ids.tolist() == [[5, 1, 0, 0], [5, 5, 5, 1], [1, 0, 0, 0]], every
         assert out.logprobs.shape == (3, 4)
         assert len(stub.calls) == {1: 4, 3: 6, 8: 8}[every]  # forwards run before the check noticed
@@ -224,7 +257,9 @@ def test_deferred_stop_check_gives_the_same_output():
 
 def test_lean_generation_marks_eos_and_truncation():
     stub = EosStub(stop=[2, 99])
-    batch = PromptBatch(input_ids=torch.tensor([[7, 7]]), attention_mask=torch.ones(1, 2, dtype=torch.long), texts=["x"])
+    batch = PromptBatch(
+        input_ids=torch.tensor([[7, 7]]), attention_mask=torch.ones(1, 2, dtype=torch.long), texts=["x"]
+    )
     sampling = SamplingConfig(backend="lean", max_new_tokens=3)
     stub.stop = torch.tensor([2, 99])  # group of 2 copies of the one prompt: the first ends, the second runs out
     gen = generate(stub, batch, 2, sampling, eos_token_id=1, pad_token_id=0)

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from conftest import EOS_ID, PAD_ID, make_policy, prompt_batch
+from lit_rlhf.algorithms import losses
+from lit_rlhf.algorithms.experience import compute_advantages, make_experience, policy_forward, reference_logits
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
 from lit_rlhf.models.actor_critic import ActorCritic, causal_lm_response_forward, position_ids_from_mask
 from lit_rlhf.models.loading import frozen_copy
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardError, call_reward_fn
-from lit_rlhf.types import PromptBatch
-from lit_rlhf.algorithms import losses
-from lit_rlhf.algorithms.experience import compute_advantages, make_experience, policy_forward, reference_logits
 from lit_rlhf.rollout.collect import collect_rollout
 from lit_rlhf.rollout.generation import generate, response_mask_from_ids
+from lit_rlhf.types import PromptBatch
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -298,8 +298,9 @@ def test_compute_advantages_ppo_matches_slow_gae_on_hand_built_rewards():
     torch.testing.assert_close(total, exp_total, atol=1e-5, rtol=1e-5)
 
     # whitened: a positive affine map of the raw advantages with mean 0, std ~1 over valid tokens, 0 elsewhere
-    whitened, returns_w = compute_advantages(AlgorithmConfig(name="ppo", kl_coef=0.1, gamma=0.9, lam=0.8),
-                                                scores, kl, values, MASK)
+    whitened, returns_w = compute_advantages(
+        AlgorithmConfig(name="ppo", kl_coef=0.1, gamma=0.9, lam=0.8), scores, kl, values, MASK
+    )
     torch.testing.assert_close(returns_w, exp_ret, atol=1e-4, rtol=1e-5)  # returns before whitening
     valid_raw, valid_w = exp_adv[MASK].double(), whitened[MASK].double()
     assert abs(valid_w.mean().item()) < 1e-5
@@ -324,11 +325,13 @@ def test_compute_advantages_ppo_without_kl_in_reward_uses_score_only():
 
 
 @torch.no_grad()
-def collect_experience(prompts, actor_critic, reference, reward_model, composer, tokenizer, algo, sampling,
-                       policy_version=0):
+def collect_experience(
+    prompts, actor_critic, reference, reward_model, composer, tokenizer, algo, sampling, policy_version=0
+):
     """Phases 2 and 3 of a training step outside a Trainer: rollout, then a no-grad evaluation."""
-    rollout, timings = collect_rollout(prompts, actor_critic.policy, tokenizer, composer, reward_model, algo,
-                                       sampling, policy_version)
+    rollout, timings = collect_rollout(
+        prompts, actor_critic.policy, tokenizer, composer, reward_model, algo, sampling, policy_version
+    )
     ref_logits = reference_logits(reference, rollout) if reference is not None else None
     sampling_policy = policy_forward(actor_critic, rollout, sampling.temperature)
     return make_experience(rollout, algo, sampling_policy, ref_logits, sampling.temperature), timings
@@ -366,8 +369,15 @@ def test_collect_experience_scores_logprobs_and_shapes(tiny_policy, tokenizer, n
 
     torch.manual_seed(2)
     exp, timings = collect_experience(
-        prompt_batch(tokenizer, texts, {"target": targets}), ac, reference, None, RewardComposer([reward]),
-        tokenizer, algo, SamplingConfig(max_new_tokens=6), policy_version=7,
+        prompt_batch(tokenizer, texts, {"target": targets}),
+        ac,
+        reference,
+        None,
+        RewardComposer([reward]),
+        tokenizer,
+        algo,
+        SamplingConfig(max_new_tokens=6),
+        policy_version=7,
     )
     B, T = 3 * G, exp.response_ids.shape[1]
     assert exp.batch_size == B and exp.policy_version == 7
@@ -376,7 +386,7 @@ def test_collect_experience_scores_logprobs_and_shapes(tiny_policy, tokenizer, n
     assert (exp.values is not None) == (name == "ppo") and (exp.returns is not None) == (name == "ppo")
 
     # the reward function saw the prompts (repeated G times, in order), the decoded responses and the meta
-    (seen_prompts, seen_responses, seen_meta), = calls
+    ((seen_prompts, seen_responses, seen_meta),) = calls
     assert seen_prompts == [t for t in texts for _ in range(G)]
     assert seen_meta == {"target": [t for t in targets for _ in range(G)]}
     hand_texts = [decode_by_hand(tokenizer, exp.response_ids[b].tolist()) for b in range(B)]
@@ -402,8 +412,14 @@ def test_collect_experience_truncation_handling(tiny_policy, tokenizer):
     ac = ActorCritic(tiny_policy, value_head=False).eval()
     torch.manual_seed(1)
     exp, _ = collect_experience(
-        prompt_batch(tokenizer, ["31>", "98765>"]), ac, None, None,
-        RewardComposer([lambda p, r: [1.0] * len(p)]), tokenizer, algo, SamplingConfig(max_new_tokens=4),
+        prompt_batch(tokenizer, ["31>", "98765>"]),
+        ac,
+        None,
+        None,
+        RewardComposer([lambda p, r: [1.0] * len(p)]),
+        tokenizer,
+        algo,
+        SamplingConfig(max_new_tokens=4),
     )
     assert exp.ref_logprobs is None and exp.kl is None  # no reference when kl_coef = 0
     assert exp.truncated.any() and not exp.truncated.all()  # the seed gives both kinds
@@ -452,6 +468,7 @@ def test_reward_fn_wrong_length_is_named():
 
 def test_reward_fn_returning_non_numbers_is_named():
     with pytest.raises(RewardError, match="text_reward"):
+
         def text_reward(prompts, responses):
             return ["good"] * len(prompts)
 
@@ -477,6 +494,12 @@ def test_reward_error_propagates_from_collect_experience(tiny_policy, tokenizer)
     ac = ActorCritic(tiny_policy, value_head=False).eval()
     with pytest.raises(RewardError, match="exploding_reward"):
         collect_experience(
-            prompt_batch(tokenizer, ["31>"]), ac, None, None, RewardComposer([exploding_reward]), tokenizer,
-            AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.0), SamplingConfig(max_new_tokens=2),
+            prompt_batch(tokenizer, ["31>"]),
+            ac,
+            None,
+            None,
+            RewardComposer([exploding_reward]),
+            tokenizer,
+            AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.0),
+            SamplingConfig(max_new_tokens=2),
         )

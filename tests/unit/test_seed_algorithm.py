@@ -6,20 +6,32 @@ import math
 import torch
 
 from conftest import make_policy, prompt_batch
-from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf import AlgorithmConfig, RLHFModule, SamplingConfig
+from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf.models.actor_critic import causal_lm_response_forward
 
 SEED_SETTINGS = dict(
-    name="ppo", clip_eps_low=1e9, clip_eps_high=1e9, value_clip=None, kl_estimator="full", kl_in_reward=True,
-    kl_coef=0.1, vf_coef=0.5, whiten_advantages=False, group_size=2, ppo_epochs=2,
+    name="ppo",
+    clip_eps_low=1e9,
+    clip_eps_high=1e9,
+    value_clip=None,
+    kl_estimator="full",
+    kl_in_reward=True,
+    kl_coef=0.1,
+    vf_coef=0.5,
+    whiten_advantages=False,
+    group_size=2,
+    ppo_epochs=2,
 )
 
 
 def test_seed_settings_give_plain_ratio_loss_plus_value_mse(tokenizer):
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
-        algorithm=AlgorithmConfig(**SEED_SETTINGS), sampling=SamplingConfig(max_new_tokens=5),
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
+        algorithm=AlgorithmConfig(**SEED_SETTINGS),
+        sampling=SamplingConfig(max_new_tokens=5),
     )
     exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])
     with torch.no_grad():  # move the policy so the ratio is not 1
@@ -48,8 +60,11 @@ def test_seed_settings_give_plain_ratio_loss_plus_value_mse(tokenizer):
 
 def test_seed_rewards_use_the_exact_kl_over_the_vocabulary(tokenizer):
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
-        algorithm=AlgorithmConfig(**SEED_SETTINGS), sampling=SamplingConfig(max_new_tokens=5),
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
+        algorithm=AlgorithmConfig(**SEED_SETTINGS),
+        sampling=SamplingConfig(max_new_tokens=5),
     )
     with torch.no_grad():  # a reference different from the policy
         for p in module.reference.parameters():
@@ -57,8 +72,9 @@ def test_seed_rewards_use_the_exact_kl_over_the_vocabulary(tokenizer):
     exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])
     with torch.no_grad():
         logits, _ = module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
-        ref_logits, _ = causal_lm_response_forward(module.reference, exp.input_ids(), exp.attention_mask(),
-                                                   exp.response_ids.shape[1])
+        ref_logits, _ = causal_lm_response_forward(
+            module.reference, exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1]
+        )
     b, t = 0, 0
     p = torch.softmax(logits[b, t].double(), 0)
     q = torch.softmax(ref_logits[b, t].double(), 0)

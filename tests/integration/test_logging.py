@@ -1,7 +1,7 @@
-"""TensorBoard event files hold the DESIGN §4 metrics and sample texts."""
+"""TensorBoard event files hold the metrics of docs/design.md and sample texts."""
 
-import pytest
 import lightning as L
+import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -9,9 +9,21 @@ from conftest import make_policy
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 
 COMMON = {
-    "rollout/reward_mean", "rollout/reward_std", "rollout/score_mean", "rollout/response_len_mean",
-    "rollout/frac_truncated", "objective/kl", "objective/entropy", "policy/loss", "policy/approx_kl",
-    "policy/clipfrac", "optim/lr", "optim/grad_norm", "time/rollout_s", "time/update_s", "perf/tokens_per_s",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/score_mean",
+    "rollout/response_len_mean",
+    "rollout/frac_truncated",
+    "objective/kl",
+    "objective/entropy",
+    "policy/loss",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "optim/lr",
+    "optim/grad_norm",
+    "time/rollout_s",
+    "time/update_s",
+    "perf/tokens_per_s",
 }
 PPO_ONLY = {"value/loss", "value/clipfrac", "value/explained_variance"}
 GRPO_ONLY = {"rollout/frac_reward_zero_std"}
@@ -21,14 +33,25 @@ GRPO_ONLY = {"rollout/frac_reward_zero_std"}
 def test_event_file_holds_design_metrics(tokenizer, tmp_path, name):
     L.seed_everything(0)
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
         algorithm=AlgorithmConfig(name=name, group_size=2, kl_coef=0.05),
-        sampling=SamplingConfig(max_new_tokens=4), lr=1e-3, log_samples_every_n_steps=1,
+        sampling=SamplingConfig(max_new_tokens=4),
+        lr=1e-3,
+        log_samples_every_n_steps=1,
     )
     data = RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16)
     logger = TensorBoardLogger(save_dir=tmp_path, name="run")
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(module, data)
 
     events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0, "scalars": 0})
@@ -59,15 +82,27 @@ class StepMetrics(L.Callback):
 def test_metrics_written_every_n_steps_are_the_mean_of_the_steps_since_the_last_write(tokenizer, tmp_path):
     L.seed_everything(0)
     module = RLHFModule(
-        policy=make_policy(), tokenizer=tokenizer, reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
-        algorithm=AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.05), sampling=SamplingConfig(max_new_tokens=4),
-        lr=1e-2, warmup_steps=10, log_samples_every_n_steps=0,
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.05),
+        sampling=SamplingConfig(max_new_tokens=4),
+        lr=1e-2,
+        warmup_steps=10,
+        log_samples_every_n_steps=0,
     )
     recorder = StepMetrics()
     logger = TensorBoardLogger(save_dir=tmp_path, name="run")
-    trainer = L.Trainer(max_steps=7, accelerator="cpu", logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=3,
-                        callbacks=[recorder])
+    trainer = L.Trainer(
+        max_steps=7,
+        accelerator="cpu",
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=3,
+        callbacks=[recorder],
+    )
     trainer.fit(module, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16))
     logger.experiment.flush()
 

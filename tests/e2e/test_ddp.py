@@ -20,6 +20,8 @@ import pytest
 
 from lit_rlhf.tasks.digits import sort_digits_prompts
 
+pytestmark = pytest.mark.slow  # end-to-end: a real fit, several processes or a pretrained model
+
 SCRIPT = Path(__file__).with_name("ddp_run.py")
 ALGORITHMS = ("ppo", "grpo")
 ROLLOUTS, BATCH, STEPS_PER_ROLLOUT = 4, 2, 2  # as in ddp_run.py: batch of 2 prompts per rank, 2 minibatches
@@ -37,11 +39,31 @@ def ddp_records(tmp_path_factory):
     """Both ranks started here with LOCAL_RANK set, as torchrun or a cluster would, so Lightning's DDP strategy
     does not launch rank 1 itself and the two processes import in parallel (half the start-up time)."""
     out = tmp_path_factory.mktemp("ddp")
-    command = [sys.executable, str(SCRIPT), "--out", str(out), "--algorithms", ",".join(ALGORITHMS),
-               "--rollouts", str(ROLLOUTS), "--batch-size", str(BATCH), "--resume"]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--algorithms",
+        ",".join(ALGORITHMS),
+        "--rollouts",
+        str(ROLLOUTS),
+        "--batch-size",
+        str(BATCH),
+        "--resume",
+    ]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
-    procs = [subprocess.Popen(command, env=dict(env, LOCAL_RANK=str(rank)), cwd=out, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            command,
+            env=dict(env, LOCAL_RANK=str(rank)),
+            cwd=out,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         stderr = [proc.communicate(timeout=240)[1] for proc in procs]
     except subprocess.TimeoutExpired:
@@ -71,7 +93,7 @@ def test_prompts_are_sharded_by_rank_and_groups_stay_on_one_rank(ddp_records, na
         for rollout in record["rollouts"]:
             texts = rollout["prompts"]
             assert len(texts) == BATCH * G
-            groups = [texts[i:i + G] for i in range(0, len(texts), G)]
+            groups = [texts[i : i + G] for i in range(0, len(texts), G)]
             assert all(len(set(group)) == 1 for group in groups)  # a prompt's G samples are consecutive, here
             seen.extend(group[0] for group in groups)
         assert seen == stream[rank::2]
@@ -96,7 +118,8 @@ def test_logged_metrics_are_the_mean_over_ranks(ddp_records, name):
         local = [rec["rollouts"][step]["local"] for rec in records]
         # both ranks hold the same reduced value...
         assert {k: v for k, v in logged[0].items() if not k.startswith(UNTIMED)} == {
-            k: v for k, v in logged[1].items() if not k.startswith(UNTIMED)}
+            k: v for k, v in logged[1].items() if not k.startswith(UNTIMED)
+        }
         # ...which is the mean of the two ranks' own values
         for key in ("rollout/score_mean", "rollout/response_len_mean", "rollout/frac_truncated", "objective/kl"):
             assert logged[0][key] == pytest.approx((local[0][key] + local[1][key]) / 2, rel=1e-5, abs=1e-7), key
@@ -113,6 +136,7 @@ def test_ddp_resume_from_the_midway_checkpoint_is_exact_on_every_rank(ddp_record
         assert [s["checksum"] for s in resumed["steps"]] == [s["checksum"] for s in full["steps"][half:]]
         for a, b in zip(full["steps"][half:], resumed["steps"]):
             assert {k: v for k, v in a["logged"].items() if not k.startswith(UNTIMED)} == {
-                k: v for k, v in b["logged"].items() if not k.startswith(UNTIMED)}
+                k: v for k, v in b["logged"].items() if not k.startswith(UNTIMED)
+            }
         # the ranks sampled with different random streams, so restoring only rank 0's would not be exact
         assert [r["prompts"] for r in resumed["rollouts"]] == [r["prompts"] for r in full["rollouts"][half:]]

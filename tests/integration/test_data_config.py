@@ -47,7 +47,12 @@ def test_algorithm_defaults_per_name():
     ppo, grpo = AlgorithmConfig(name="ppo"), AlgorithmConfig(name="grpo")
     assert (ppo.group_size, ppo.advantage_estimator, ppo.kl_in_reward, ppo.uses_critic) == (1, "gae", True, True)
     assert (grpo.group_size, grpo.advantage_estimator, grpo.kl_estimator, grpo.kl_in_reward, grpo.uses_critic) == (
-        8, "grpo", "k3", False, False)
+        8,
+        "grpo",
+        "k3",
+        False,
+        False,
+    )
     assert AlgorithmConfig(name="grpo", kl_coef=0.0).uses_reference is False
 
 
@@ -80,7 +85,8 @@ def test_check_batch_names_the_field_that_does_not_divide():
 
 def test_indivisible_rollout_fails_in_fit_before_any_model_is_loaded():
     module = RLHFModule(
-        policy="builtin:digits", reward_fns=[REWARD],
+        policy="builtin:digits",
+        reward_fns=[REWARD],
         algorithm=AlgorithmConfig(name="grpo", group_size=2, num_minibatches=3),
     )
     assert module.actor_critic is None
@@ -91,7 +97,9 @@ def test_indivisible_rollout_fails_in_fit_before_any_model_is_loaded():
 
 
 def test_fp16_precision_is_refused():
-    module = RLHFModule(policy="builtin:digits", reward_fns=[REWARD], algorithm=AlgorithmConfig(name="grpo", group_size=2))
+    module = RLHFModule(
+        policy="builtin:digits", reward_fns=[REWARD], algorithm=AlgorithmConfig(name="grpo", group_size=2)
+    )
     module.trainer = type("FakeTrainer", (), {"precision": "16-mixed"})()  # setup() only reads the precision
     with pytest.raises(ConfigError, match="trainer.precision"):
         module.setup("fit")
@@ -170,8 +178,12 @@ def test_model_folder_that_does_not_exist(tmp_path):
         load_causal_lm(missing, "model.policy")
     with pytest.raises(ConfigError, match="no_such_model.*does not exist"):
         RLHFModule(policy=missing, reward_fns=[REWARD])  # the tokenizer (from the policy's folder) fails first
-    module = RLHFModule(policy="builtin:digits", reference=missing, reward_fns=[REWARD],
-                        algorithm=AlgorithmConfig(name="grpo", group_size=2))
+    module = RLHFModule(
+        policy="builtin:digits",
+        reference=missing,
+        reward_fns=[REWARD],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+    )
     with pytest.raises(ConfigError, match="model.reference.*does not exist"):
         module.configure_model()
     with pytest.raises(ValueError, match="builtin:digits"):
@@ -195,26 +207,40 @@ def test_builtin_prompt_longer_than_limit_is_an_error_when_batched(tokenizer):
 
 
 def test_prompt_truncation_left_cuts_the_start_with_a_warning(tokenizer):
-    dm = RolloutDataModule(prompts=["1234567>", "12>"], batch_size=2, max_prompt_length=4, prompt_truncation="left",
-                           tokenizer=tokenizer, shuffle=False)
+    dm = RolloutDataModule(
+        prompts=["1234567>", "12>"],
+        batch_size=2,
+        max_prompt_length=4,
+        prompt_truncation="left",
+        tokenizer=tokenizer,
+        shuffle=False,
+    )
     dm.setup("fit")
     with pytest.warns(UserWarning, match="left"):
         batch = next(iter(dm.train_dataloader()))
-    assert batch.input_ids.tolist() == [ids_of(tokenizer, "567>"), [PAD_ID] + ids_of(tokenizer, "12>")]
+    assert batch.input_ids.tolist() == [ids_of(tokenizer, "567>"), [PAD_ID, *ids_of(tokenizer, "12>")]]
     assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
     assert batch.texts == ["1234567>", "12>"]
 
 
 def test_prompts_are_left_padded_with_meta_columns(tokenizer, tmp_path):
     path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [
-        {"prompt": "31>", "target": "13"}, {"prompt": "9>", "target": "9"}, {"prompt": "6420>", "target": "0246"},
-    ]) + "\n")
+    path.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "31>", "target": "13"},
+                {"prompt": "9>", "target": "9"},
+                {"prompt": "6420>", "target": "0246"},
+            ]
+        )
+        + "\n"
+    )
     dm = RolloutDataModule(prompts=str(path), batch_size=3, tokenizer=tokenizer, shuffle=False)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     assert batch.input_ids.tolist() == [
-        [PAD_ID, PAD_ID] + ids_of(tokenizer, "31>"),
+        [PAD_ID, PAD_ID, *ids_of(tokenizer, "31>")],
         [PAD_ID] * 3 + ids_of(tokenizer, "9>"),
         ids_of(tokenizer, "6420>"),
     ]

@@ -23,7 +23,7 @@ from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingCon
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UNTIMED = ("time/", "perf/")  # wall-clock metrics differ between any two runs
 
 pytestmark = [
@@ -64,16 +64,26 @@ class CrashAt(Callback):
 def make_run(name: str, max_steps: int, ckpt_dir: Path, callbacks=(), backend: str = "lean"):
     L.seed_everything(0, verbose=False)
     module = RLHFModule(
-        policy="builtin:digits", reward_fns=[REWARD],
+        policy="builtin:digits",
+        reward_fns=[REWARD],
         # two minibatches: the update shuffle generator matters; a warm-up + linear decay: the scheduler matters
         algorithm=AlgorithmConfig(name=name, group_size=2, num_minibatches=2, kl_coef=0.05),
-        sampling=SamplingConfig(max_new_tokens=4, backend=backend), lr=1e-2, warmup_steps=2, lr_schedule="linear",
+        sampling=SamplingConfig(max_new_tokens=4, backend=backend),
+        lr=1e-2,
+        warmup_steps=2,
+        lr_schedule="linear",
     )
     data = RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16)
     recorder = MetricRecorder()
     trainer = L.Trainer(
-        max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, plugins=[AtomicCheckpointIO()], log_every_n_steps=1,
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AtomicCheckpointIO()],
+        log_every_n_steps=1,
         callbacks=[recorder, ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1), *callbacks],
     )
     return module, data, trainer, recorder
@@ -99,7 +109,10 @@ def test_interrupted_run_resumed_from_its_checkpoint_matches_the_uninterrupted_r
     trainer2.fit(resumed, data2, ckpt_path=ckpt)
     assert trainer2.global_step == steps
     assert checksum(resumed.actor_critic) == checksum(module.actor_critic)
-    assert (resumed.state.policy_version, resumed.state.skipped_updates) == (module.state.policy_version, module.state.skipped_updates)
+    assert (resumed.state.policy_version, resumed.state.skipped_updates) == (
+        module.state.policy_version,
+        module.state.skipped_updates,
+    )
     assert data2.state_dict() == data.state_dict()
     # every metric the resumed run logged equals the uninterrupted run's at the same step
     assert sorted(second.by_step) == [6, 8]
@@ -119,17 +132,27 @@ def test_train_py_resumes_with_ckpt_path_last(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("lit_rlhf_train_script_resume", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    common = ["fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--ckpt_path", "last",
-              "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
-              "--model.log_samples_every_n_steps", "0"]
+    common = [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "debug.yaml"),
+        "--ckpt_path",
+        "last",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.logger",
+        "false",
+        "--model.log_samples_every_n_steps",
+        "0",
+    ]
     # no checkpoint yet: 'last' starts from scratch (Lightning warns)
     with pytest.warns(UserWarning, match="no last checkpoint"):
-        first = train.main(common + ["--trainer.max_steps", "4"])
+        first = train.main([*common, "--trainer.max_steps", "4"])
     last = tmp_path / "runs" / "debug" / "checkpoints" / "last.ckpt"
     assert first.trainer.global_step == 4 and last.is_file()
     assert sorted(os.listdir(last.parent)) == ["last.ckpt"]
 
-    second = train.main(common + ["--trainer.max_steps", "8"])
+    second = train.main([*common, "--trainer.max_steps", "8"])
     assert Path(second.trainer.ckpt_path) == last  # it resumed from the file the first run left
     assert second.trainer.global_step == 8 and second.model.state.policy_version == 8
     saved = torch.load(last, weights_only=True)
@@ -142,9 +165,16 @@ def test_train_py_resumes_with_ckpt_path_last(tmp_path, monkeypatch):
 
 def fit_and_checkpoint(module: RLHFModule, ckpt_dir: Path) -> Path:
     data = RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, plugins=[AtomicCheckpointIO()],
-                        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=0, save_last=True)])
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=0, save_last=True)],
+    )
     trainer.fit(module, data)
     return ckpt_dir / "last.ckpt"
 
@@ -169,18 +199,23 @@ def test_frozen_weights_rebuilt_from_folders_are_left_out_and_put_back(tmp_path,
     assert any(k.startswith("reference.") for k in keys)
 
     # a policy and a reward model named by folder: both frozen models are reloaded from there
-    named = RLHFModule(policy=str(policy_dir), reward_model=str(rm_dir), reward_fns=[REWARD], algorithm=algorithm,
-                       sampling=sampling)
+    named = RLHFModule(
+        policy=str(policy_dir), reward_model=str(rm_dir), reward_fns=[REWARD], algorithm=algorithm, sampling=sampling
+    )
     named_ckpt = fit_and_checkpoint(named, tmp_path / "named")
     saved = torch.load(named_ckpt, weights_only=True)
     assert not [k for k in saved["state_dict"] if k.startswith(("reference.", "reward_model."))]
     assert saved["lit_rlhf"]["rebuilt_prefixes"] == ["reference.", "reward_model."]
     policy_params = sum(p.numel() for p in named.actor_critic.parameters())
-    sizes = {"builtin (reference kept)": builtin_ckpt.stat().st_size,
-             "folder (reference and reward model dropped)": named_ckpt.stat().st_size}
+    sizes = {
+        "builtin (reference kept)": builtin_ckpt.stat().st_size,
+        "folder (reference and reward model dropped)": named_ckpt.stat().st_size,
+    }
     with capsys.disabled():
-        print(f"\ncheckpoint sizes, policy of {policy_params} parameters: "
-              + ", ".join(f"{k}: {v / 1e6:.2f} MB" for k, v in sizes.items()))
+        print(
+            f"\ncheckpoint sizes, policy of {policy_params} parameters: "
+            + ", ".join(f"{k}: {v / 1e6:.2f} MB" for k, v in sizes.items())
+        )
     # policy + Adam's two moments + reference = 4 copies, against 3 without the reference
     assert sizes["folder (reference and reward model dropped)"] < 0.8 * sizes["builtin (reference kept)"]
 
@@ -190,17 +225,27 @@ def test_frozen_weights_rebuilt_from_folders_are_left_out_and_put_back(tmp_path,
     from_folder = AutoModelForCausalLM.from_pretrained(policy_dir)
     assert checksum(loaded.reference) == checksum(from_folder)  # bit-identical to the folder's weights
     assert checksum(loaded.reward_model.model) == checksum(
-        AutoModelForSequenceClassification.from_pretrained(rm_dir, num_labels=1))
+        AutoModelForSequenceClassification.from_pretrained(rm_dir, num_labels=1)
+    )
     # the trained policy really moved away from the folder's weights it started from
     assert checksum(loaded.actor_critic.policy) != checksum(from_folder)
 
     # and the Trainer resumes from it
-    resumed = RLHFModule(policy=str(policy_dir), reward_model=str(rm_dir), reward_fns=[REWARD], algorithm=algorithm,
-                         sampling=sampling)
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False)
-    trainer.fit(resumed, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16),
-                ckpt_path=named_ckpt)
+    resumed = RLHFModule(
+        policy=str(policy_dir), reward_model=str(rm_dir), reward_fns=[REWARD], algorithm=algorithm, sampling=sampling
+    )
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(
+        resumed, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16), ckpt_path=named_ckpt
+    )
     assert trainer.global_step == 2 and checksum(resumed.reference) == checksum(from_folder)
 
 
@@ -249,8 +294,12 @@ KILLED_TRAINER = textwrap.dedent(
 
 
 def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_loadable(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER, str(tmp_path), "3"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_TRAINER, str(tmp_path), "3"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     marker = tmp_path / "WRITING"
     try:
         deadline = time.monotonic() + 120
@@ -281,14 +330,25 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_loadable(
 
     # `ckpt_path="last"` picks the intact file and training continues from step 2
     L.seed_everything(0, verbose=False)
-    module = RLHFModule(policy="builtin:digits", reward_fns=[REWARD], algorithm=AlgorithmConfig(name="grpo", group_size=2),
-                        sampling=SamplingConfig(max_new_tokens=4))
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, plugins=[AtomicCheckpointIO()],
-                        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=0,
-                                                   save_last=True)])
-    trainer.fit(module, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16),
-                ckpt_path="last")
+    module = RLHFModule(
+        policy="builtin:digits",
+        reward_fns=[REWARD],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=0, save_last=True)],
+    )
+    trainer.fit(
+        module, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16), ckpt_path="last"
+    )
     assert Path(trainer.ckpt_path) == ckpt_dir / "last.ckpt"
     assert trainer.global_step == 3 and module.state.policy_version == 3
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 3
