@@ -154,12 +154,9 @@ class RLHFModule(ExactResume):
         # 2. rollout: sample group_size responses per prompt with the current policy, and score them
         rollout, timings = self.make_rollout(prompts)
         clock.mark("rollout")
-        # 3. experience: old and reference log-probs, KL, advantages. A single pass over a rollout in one piece
-        #    takes the sampling policy's outputs from the update's own first forward (one policy forward a step).
-        first_forward = None
-        if not self.algorithm.policy_forward_in_rollout(rollout.batch_size):
-            first_forward = policy_forward(self.actor_critic, rollout, self.sampling.temperature)
-        experience = self.make_experience(rollout, first_forward)
+        # 3. experience: old and reference log-probs, KL, advantages (and the update's first forward, when the
+        #    sampling policy's outputs come from it: a single pass over a rollout in one piece)
+        experience, first_forward = self.make_experience(rollout)
         self.on_experience(experience)
         clock.mark("evaluate")
         # 4. update: ppo_epochs x minibatches x micro-batches
@@ -185,14 +182,22 @@ class RLHFModule(ExactResume):
         finally:
             self.actor_critic.train(was_training)
 
-    def make_experience(self, rollout: Rollout, sampling_policy: PolicyForward | None = None) -> Experience:
-        """Phase 3: the sampling policy's forward (`sampling_policy` when the update already ran it, else a
-        no-grad one now) and the reference's, into the complete experience."""
-        if sampling_policy is None:
-            with torch.no_grad():
-                sampling_policy = policy_forward(self.actor_critic, rollout, self.sampling.temperature)
+    def make_experience(self, rollout: Rollout) -> tuple[Experience, PolicyForward | None]:
+        """Phase 3: the reference's and the sampling policy's forwards into the complete experience.
+
+        The one fork of the single-pass shortcut: when the update is one pass over the rollout in one piece, the
+        sampling policy's forward is the update's own first forward, run here with grad and returned for the
+        update to reuse (one policy forward per step); otherwise it is a no-grad forward and None is returned.
+        """
+        temperature = self.sampling.temperature
         ref_logits = reference_logits(self.reference, rollout) if self.reference is not None else None
-        return make_experience(rollout, self.algorithm, sampling_policy, ref_logits, self.sampling.temperature)
+        first_forward = None
+        if self.algorithm.policy_forward_in_rollout(rollout.batch_size):
+            with torch.no_grad():
+                sampling_policy = policy_forward(self.actor_critic, rollout, temperature)
+        else:
+            sampling_policy = first_forward = policy_forward(self.actor_critic, rollout, temperature)
+        return make_experience(rollout, self.algorithm, sampling_policy, ref_logits, temperature), first_forward
 
     def on_experience(self, experience: Experience) -> None:
         """Hook called with every complete experience before the update (for callbacks and tests)."""

@@ -299,5 +299,5 @@ def test_reward_model_with_another_tokenizer_is_an_error_unless_its_tokenizer_is
     enc = letters(["abc>", "z>"], padding=True, return_tensors="pt")
     exp = module.make_experience(
         module.make_rollout(PromptBatch(enc["input_ids"], enc["attention_mask"], ["abc>", "z>"], {}))[0]
-    )
+    )[0]
     assert exp.scores.shape == (4,) and torch.isfinite(exp.scores).all()

@@ -157,7 +157,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, lora):
     base = policy.get_base_model() if lora is not None else policy
     assert getattr(base, "is_activation_checkpointing", None) or base.is_gradient_checkpointing
     torch.manual_seed(0)
-    exp = plain.make_experience(plain.make_rollout(prompt_batch(tokenizer, ["3142>", "98>", "501>", "7>"]))[0])
+    exp = plain.make_experience(plain.make_rollout(prompt_batch(tokenizer, ["3142>", "98>", "501>", "7>"]))[0])[0]
     expected, got = _gradients(plain, exp), _gradients(checkpointed, exp)
     assert expected.keys() == got.keys() and len(expected) > 0
     for name in expected:  # the recompute runs the same kernels on the same shapes: bit-identical

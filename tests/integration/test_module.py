@@ -110,7 +110,7 @@ def test_micro_batches_give_the_gradient_of_the_whole_minibatch(tokenizer, name,
     torch.manual_seed(5)
     exp = module.make_experience(
         module.make_rollout(prompt_batch(tokenizer, texts[: 8 // module.algorithm.group_size]))[0]
-    )
+    )[0]
     assert exp.batch_size == 8
     lengths = exp.response_mask.sum(1)
     assert len(set(lengths.tolist())) > 1 and exp.loss_mask.any()  # uneven lengths make the modes differ

@@ -33,7 +33,7 @@ def test_seed_settings_give_plain_ratio_loss_plus_value_mse(tokenizer):
         algorithm=AlgorithmConfig(**SEED_SETTINGS),
         sampling=SamplingConfig(max_new_tokens=5),
     )
-    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])
+    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])[0]
     with torch.no_grad():  # move the policy so the ratio is not 1
         for p in module.actor_critic.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -69,7 +69,7 @@ def test_seed_rewards_use_the_exact_kl_over_the_vocabulary(tokenizer):
     with torch.no_grad():  # a reference different from the policy
         for p in module.reference.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])
+    exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])[0]
     with torch.no_grad():
         logits, _ = module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
         ref_logits, _ = causal_lm_response_forward(
