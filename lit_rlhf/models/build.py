@@ -1,0 +1,94 @@
+"""Every model an `RLHFModule` holds, built from its settings: the actor-critic (with LoRA, gradient
+checkpointing, an optional separate critic), the frozen reference, and the frozen reward model."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lit_rlhf.config import AlgorithmConfig, ConfigError
+from lit_rlhf.models.actor_critic import ActorCritic
+from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_causal_lm
+from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
+from lit_rlhf.registry import is_builtin
+from lit_rlhf.rewards.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
+
+MODEL_ARGUMENTS = ("policy", "tokenizer", "reference", "reward_model", "reward_tokenizer")
+# the keyword settings of `build_models`, as RLHFModule arguments of the same names
+BUILD_OPTIONS = ("lora", "separate_critic", "gradient_checkpointing", "trust_remote_code")
+
+
+@dataclass
+class ModelSpecs:
+    """What the user gave for each model: a name, a folder, 'builtin:<task>', an instance, or None."""
+
+    policy: Any
+    tokenizer: Any = None
+    reference: Any = None
+    reward_model: Any = None
+    reward_tokenizer: Any = None
+
+    def names(self) -> dict[str, str | None]:
+        """The specs that are names (or None): hyperparameters a checkpoint can rebuild the models from."""
+        return {k: v for k in MODEL_ARGUMENTS if (v := getattr(self, k)) is None or isinstance(v, str)}
+
+    def rebuildable_prefixes(self, has_reference: bool, has_reward_model: bool) -> tuple[str, ...]:
+        """State-dict prefixes of the frozen models that are reloaded from their source, so checkpoints need
+        not carry them: a reference or reward model named by a folder or hub id."""
+        named = isinstance(self.policy, str) and not is_builtin(self.policy)
+        prefixes = []
+        if has_reference and ((self.reference is None and named)
+                              or (isinstance(self.reference, str) and not is_builtin(self.reference))):
+            prefixes.append("reference.")
+        if has_reward_model and isinstance(self.reward_model, str):
+            prefixes.append("reward_model.")
+        return tuple(prefixes)
+
+
+@dataclass
+class Models:
+    actor_critic: ActorCritic
+    reference: nn.Module | None
+    reward_model: SequenceRewardModel | None
+
+
+def build_models(
+    specs: ModelSpecs,
+    tokenizer: Any,
+    algo: AlgorithmConfig,
+    lora: dict[str, Any] | None = None,
+    separate_critic: bool = False,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> Models:
+    policy = load_causal_lm(specs.policy, "model.policy", trust_remote_code)
+    rows = getattr(getattr(policy, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:  # token ids past the table fail deep in a forward
+        raise ConfigError(
+            f"model.tokenizer: {len(tokenizer)} tokens, but model.policy embeds only {rows}; "
+            "use the policy's own tokenizer (or resize the policy's token embeddings)"
+        )
+    disable_dropout(policy)
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable()  # type: ignore[operator]  # transformers method
+    if lora is not None:
+        policy = apply_lora(policy, lora)
+    critic_backbone = copy.deepcopy(policy) if algo.uses_critic and separate_critic else None
+    actor_critic = ActorCritic(policy, value_head=algo.uses_critic, critic_backbone=critic_backbone)
+    reference: nn.Module | None = None
+    if algo.uses_reference:
+        if specs.reference is None and lora is not None:
+            reference = AdapterDisabledReference(policy)
+        elif specs.reference is None:
+            reference = frozen_copy(policy)
+        else:
+            reference = freeze(load_causal_lm(specs.reference, "model.reference", trust_remote_code))
+            disable_dropout(reference)
+    reward_model = None
+    if specs.reward_model is not None:
+        reward_model = build_reward_model(specs.reward_model, specs.reward_tokenizer, trust_remote_code)
+        check_shared_tokenizer(reward_model, tokenizer, specs.reward_model)
+    return Models(actor_critic, reference, reward_model)
