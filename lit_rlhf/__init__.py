@@ -7,6 +7,7 @@ The data flow, one folder each: `data` (prompts) -> `rollout` (generate, score w
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.rewards.training import PreferenceDataModule, RewardModelModule
+from lit_rlhf.training.callbacks import SavePolicy
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.types import Experience, PromptBatch, Rollout
@@ -23,5 +24,6 @@ __all__ = [
     "Rollout",
     "RolloutDataModule",
     "SamplingConfig",
+    "SavePolicy",
 ]
 __version__ = "0.2.0"

@@ -2,15 +2,26 @@
 
 lit-rlhf fit --config configs/grpo.yaml                  # PPO / GRPO (also: python train.py ...)
 lit-rlhf-reward fit --config configs/reward_model.yaml   # a reward model on preference pairs
+lit-rlhf-export --ckpt runs/grpo/checkpoints/last.ckpt --out runs/grpo/policy   # a Hugging Face folder
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+from typing import Any
+
+import torch
 from lightning.pytorch.cli import LightningCLI
 
+from lit_rlhf.config import ConfigError
 from lit_rlhf.data.datamodule import RolloutDataModule
+from lit_rlhf.models.export import save_module_policy
 from lit_rlhf.rewards.training import PreferenceDataModule, RewardModelModule
+from lit_rlhf.training.checkpoint_io import CheckpointError, load_checkpoint_file
 from lit_rlhf.training.module import RLHFModule
+from lit_rlhf.training.state import CHECKPOINT_KEY
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
@@ -29,6 +40,99 @@ def reward_main(args: list[str] | None = None) -> LightningCLI:
         seed_everything_default=0,
         args=args,
     )
+
+
+def checkpoint_names_policy(path: str) -> bool:
+    """Check that `path` is an `RLHFModule` checkpoint (errors name the file); whether it names its policy.
+
+    The file is memory-mapped, so looking costs little even for a large model.
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a zip checkpoint, truncated, or holding code: the plain load says which
+        checkpoint = load_checkpoint_file(path, "cpu")
+    state_dict = checkpoint.get("state_dict") if isinstance(checkpoint, dict) else None
+    ours = isinstance(state_dict, dict) and any(str(k).startswith("actor_critic.policy.") for k in state_dict)
+    if not ours or CHECKPOINT_KEY not in checkpoint:
+        raise CheckpointError(
+            f"checkpoint {path}: not written by lit_rlhf's RLHFModule (it has no actor_critic.policy weights or no "
+            f"{CHECKPOINT_KEY!r} training state)"
+        )
+    hparams = checkpoint.get("hyper_parameters")
+    return isinstance(hparams, dict) and hparams.get("policy") is not None
+
+
+def export_checkpoint(
+    ckpt_path: str,
+    out: str,
+    merge_lora: bool = True,
+    overwrite: bool = False,
+    policy: str | None = None,
+    tokenizer: str | None = None,
+) -> str:
+    """The policy of an `RLHFModule` checkpoint as a Hugging Face folder (see `lit_rlhf.models.export`).
+
+    `policy` / `tokenizer`: where to rebuild them from when the checkpoint does not name them (a module built
+    from model instances) or names a folder that moved; the checkpoint's weights are then loaded into them.
+    Returns the folder's absolute path.
+    """
+    named = checkpoint_names_policy(ckpt_path)
+    overrides: dict[str, Any] = {k: v for k, v in (("policy", policy), ("tokenizer", tokenizer)) if v is not None}
+    try:
+        module = RLHFModule.load_from_checkpoint(ckpt_path, map_location="cpu", **overrides)
+    except Exception as err:
+        if not named and policy is None:
+            raise CheckpointError(
+                f"checkpoint {ckpt_path}: the checkpoint does not name its policy (the module was built from a "
+                "model instance); pass --policy NAME_OR_FOLDER (and --tokenizer if it differs): a model of the "
+                f"same architecture, whose weights the checkpoint then replaces ({type(err).__name__}: {err})"
+            ) from err
+        raise CheckpointError(
+            f"checkpoint {ckpt_path}: could not rebuild the module ({type(err).__name__}: {err}); --policy "
+            "NAME_OR_FOLDER rebuilds the policy from elsewhere"
+        ) from err
+    module.configure_model()
+    return save_module_policy(module, out, merge_lora, overwrite)
+
+
+def export_main(argv: list[str] | None = None) -> None:
+    """`lit-rlhf-export`: a checkpoint's policy as a Hugging Face folder (its path printed); `argv` replaces
+    sys.argv[1:]. Errors exit with status 1 and a message naming the file or folder."""
+    parser = argparse.ArgumentParser(
+        prog="lit-rlhf-export",
+        description="Write the policy of a lit_rlhf checkpoint as a Hugging Face folder (model, tokenizer, "
+        "generation config) that AutoModelForCausalLM.from_pretrained loads.",
+    )
+    parser.add_argument("--ckpt", required=True, help="a .ckpt written by training an RLHFModule")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist, unless --overwrite)")
+    parser.add_argument(
+        "--no-merge-lora",
+        dest="merge_lora",
+        action="store_false",
+        help="for a LoRA policy, save only the adapters (load them with peft on the same base model)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--policy", help="rebuild the policy from this name or folder (same architecture)")
+    parser.add_argument("--tokenizer", help="rebuild the tokenizer from this name or folder")
+    args = parser.parse_args(argv)
+    try:
+        path = export_checkpoint(args.ckpt, args.out, args.merge_lora, args.overwrite, args.policy, args.tokenizer)
+    except (ConfigError, FileNotFoundError) as err:
+        raise SystemExit(f"lit-rlhf-export: error: {err}") from err
+    print(path, file=sys.stdout)
+
+
+def main_script() -> None:
+    """Console script `lit-rlhf`: `main()` returns the LightningCLI object, which `sys.exit` would print and
+    turn into exit status 1; this returns None (status 0)."""
+    main()
+
+
+def reward_script() -> None:
+    """Console script `lit-rlhf-reward` (see `main_script`)."""
+    reward_main()
 
 
 if __name__ == "__main__":

@@ -223,6 +223,9 @@ class SamplingConfig:
     """Sample among the k most likely tokens only. 0: off."""
     top_p: float = 1.0
     """Nucleus sampling mass. 1.0: off."""
+    do_sample: bool = True
+    """False: greedy decoding (the most likely token each step; temperature, top-k and top-p do not apply).
+    Training rollouts must sample; greedy is for evaluation (`RLHFModule(val_sampling=...)`)."""
     backend: SamplingBackend = "lean"
     """'lean' (`lit_rlhf.sampling`: a minimal KV-cache loop, faster than generate for the same draws) or
     'generate' (Hugging Face generate). Both sample the same distribution (same tokens for the same seed)."""
@@ -246,6 +249,7 @@ def check_module_settings(
     max_consecutive_skips: int,
     reward_model: Any,
     reward_fns: Sequence[Any] | None,
+    sampling: SamplingConfig,
 ) -> None:
     """`RLHFModule`'s own settings, before any model loads."""
     if lr <= 0:
@@ -257,6 +261,11 @@ def check_module_settings(
         raise ConfigError(f"model.max_consecutive_skips: must be >= 1, got {max_consecutive_skips}")
     if reward_model is None and not reward_fns:
         raise ConfigError("model.reward_fns / model.reward_model: give at least one reward function or a reward model")
+    if not sampling.do_sample:
+        raise ConfigError(
+            "model.sampling.do_sample: training rollouts must sample (true); greedy decoding is for held-out "
+            "evaluation, set it in model.val_sampling"
+        )
 
 
 def check_precision(precision: str) -> None:

@@ -49,6 +49,7 @@ class Rollout:
     scores: Tensor  # (B,) float32, sequence scores after truncation handling
     prompts: list[str] = field(default_factory=list)  # B prompt strings (each repeated G times)
     responses: list[str] = field(default_factory=list)  # B decoded responses
+    meta: dict[str, list[Any]] = field(default_factory=dict)  # extra prompt columns, each a list of B
     policy_version: int = 0  # number of optimizer updates the sampling policy had seen
 
     @property
@@ -77,6 +78,8 @@ class Rollout:
                 changes[f.name] = value[index]
             elif isinstance(value, list) and len(value) == self.batch_size:
                 changes[f.name] = [value[i] for i in rows]
+            elif isinstance(value, dict):  # per-row columns
+                changes[f.name] = {key: [column[i] for i in rows] for key, column in value.items()}
         return dataclasses.replace(self, **changes)
 
     def to(self, device: torch.device | str) -> Self:

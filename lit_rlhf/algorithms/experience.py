@@ -7,6 +7,7 @@ Formulas (and their papers) are in `losses`; this file only decides which of the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,15 +73,21 @@ def compute_advantages(
     return per_seq[:, None] * maskf, None
 
 
+AdvantageFn = Callable[[Rollout, "Tensor | None", "Tensor | None"], "tuple[Tensor, Tensor | None]"]
+"""(rollout, kl (B, T) or None, values (B, T) or None) -> advantages (B, T), returns (B, T) or None:
+`RLHFModule.compute_advantages`."""
+
+
 def make_experience(
     rollout: Rollout,
     algo: AlgorithmConfig,
     sampling_policy: PolicyForward,
     ref_logits: Tensor | None,
     temperature: float,
+    advantages_of: AdvantageFn | None = None,
 ) -> Experience:
     """The complete experience of `rollout` from the sampling policy's (detached) forward and the reference's
-    logits ((B, T, V), None without a reference)."""
+    logits ((B, T, V), None without a reference). `advantages_of` replaces `compute_advantages` when given."""
     policy = sampling_policy.detach()
     ref_logprobs = kl = None
     if ref_logits is not None:
@@ -89,7 +96,10 @@ def make_experience(
             kl = losses.full_kl_from_logits(policy.logits, ref_logits, temperature)
         else:
             kl = losses.kl_from_logprobs(policy.logprobs, ref_logprobs, algo.filled.kl_estimator)
-    advantages, returns = compute_advantages(algo, rollout.scores, kl, policy.values, rollout.response_mask)
+    if advantages_of is None:
+        advantages, returns = compute_advantages(algo, rollout.scores, kl, policy.values, rollout.response_mask)
+    else:
+        advantages, returns = advantages_of(rollout, kl, policy.values)
     loss_mask = rollout.response_mask & ~(rollout.truncated[:, None] & algo.mask_truncated)
     fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
     return Experience(

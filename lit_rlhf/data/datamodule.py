@@ -1,49 +1,140 @@
-"""`RolloutDataModule`: owns the prompts and hands `training_step` one `PromptBatch` per rollout.
+"""`RolloutDataModule`: owns the prompts and hands `training_step` one `PromptBatch` per rollout, and the
+validation, test and predict loops their held-out prompts.
 
 The module generates each rollout inside `training_step`, from the policy as it is after the previous update,
 so Lightning may prefetch prompt batches freely. For an exact resume the saved position is that of the last
 batch that reached `training_step` (`on_before_batch_transfer`), not of the last one prefetched.
+
+Epochs: one `iter()` over the training iterable is one epoch. Over a finite prompt set an epoch is one pass
+(this rank's share, reshuffled each pass; a tail smaller than `batch_size` is dropped); over a `builtin:<task>`
+stream it is `rollouts_per_epoch` batches (100 by default). Given `rollouts_per_epoch`, an epoch is that many
+batches of either kind of source, passes end to end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+import random
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import lightning as L
 
 from lit_rlhf.config import ConfigError, check_choice
 from lit_rlhf.data.prompts import PromptTokenizer
-from lit_rlhf.data.sources import PromptStream, read_prompt_file
+from lit_rlhf.data.sources import PromptStream, builtin_rows, prompt_rows, read_prompt_file
 from lit_rlhf.models.loading import data_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.types import PromptBatch
 
 PromptTruncation = Literal["error", "left"]
 
+BUILTIN_ROLLOUTS_PER_EPOCH = 100
+"""Batches per epoch over an endless `builtin:<task>` stream when `rollouts_per_epoch` is not given."""
+
+HELD_OUT_SEEDS = {"data.val_prompts": 1_000_001, "data.test_prompts": 1_000_002, "data.predict_prompts": 1_000_003}
+"""Seeds of the `builtin:<task>` streams that held-out prompt sets are drawn from: fixed, not `data.seed`, so runs
+with different seeds are compared on the same prompts, and different from any training seed in the configs."""
+
+VAL_SPLIT_SALT = "lit_rlhf.val_split"
+"""The split by a fraction `val_prompts` shuffles with random.Random(f"{VAL_SPLIT_SALT}:{seed}")."""
+
 
 class PromptBatches:
-    """Iterable of `PromptBatch`es of `batch_size` rows from `prompts`, each stamped with the stream position
-    after it."""
+    """The training batches: each `iter()` yields the rest of one epoch of `PromptBatch`es of `batch_size` rows,
+    each stamped with the stream position after it, then stops; `len()` is the batches of a whole epoch.
 
-    def __init__(self, prompts: PromptStream, batch_size: int, to_batch: PromptTokenizer):
+    Batches never straddle two passes over a finite source: a pass's tail of fewer than `batch_size` rows is
+    dropped (as `drop_last`), and the stamped position after a pass's last batch is the next pass's start. An
+    `iter()` starts at the stream's position (where the previous one stopped, or where `train_dataloader`
+    rewound it to) and runs to the end of the epoch that position lies in, so after a resume mid-epoch it yields
+    exactly that epoch's remaining batches. `epoch_floor` (the Trainer's current epoch) moves the start to that
+    epoch's first batch when the stream is behind it, e.g. after `limit_train_batches` cut an epoch short.
+    """
+
+    def __init__(
+        self,
+        prompts: PromptStream,
+        batch_size: int,
+        to_batch: Callable[[list[dict[str, Any]]], PromptBatch],
+        rollouts_per_epoch: int | None = None,
+        epoch_floor: Callable[[], int | None] | None = None,
+    ):
         self.prompts = prompts
         self.batch_size = batch_size
         self.to_batch = to_batch
+        self.epoch_floor = epoch_floor
+        self.rows_per_pass = prompts.rows_per_pass
+        self.batches_per_pass = None if self.rows_per_pass is None else self.rows_per_pass // batch_size
+        if self.batches_per_pass == 0:
+            raise ConfigError(
+                f"data.batch_size: {batch_size} prompts per process and step, but each of the "
+                f"{prompts.world_size} processes gets {self.rows_per_pass} prompts per pass; "
+                "lower data.batch_size or give more prompts"
+            )
+        if rollouts_per_epoch is not None and rollouts_per_epoch < 1:
+            raise ConfigError(f"data.rollouts_per_epoch: must be >= 1, got {rollouts_per_epoch}")
+        self.batches_per_epoch: int = rollouts_per_epoch or self.batches_per_pass or BUILTIN_ROLLOUTS_PER_EPOCH
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: the position lives in `RolloutDataModule.state_dict` (the last batch that reached
+        `training_step`, which `train_dataloader` rewinds the stream to). These two methods tell Lightning that
+        the iterable resumes mid-epoch, so it does not warn that it cannot."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        del state_dict
+
+    def position(self, index: int) -> int:
+        """This rank's stream position (rows) where batch `index` (counted over all epochs) starts."""
+        if self.rows_per_pass is None or self.batches_per_pass is None:
+            return index * self.batch_size
+        number, i = divmod(index, self.batches_per_pass)
+        return number * self.rows_per_pass + i * self.batch_size
+
+    def batch_index(self, position: int) -> int:
+        """The first batch that starts at or after the stream position `position`."""
+        if self.rows_per_pass is None or self.batches_per_pass is None:
+            return -(-position // self.batch_size)
+        number, offset = divmod(position, self.rows_per_pass)
+        return number * self.batches_per_pass + min(-(-offset // self.batch_size), self.batches_per_pass)
 
     def __iter__(self) -> Iterator[PromptBatch]:
-        rows: list[dict[str, Any]] = []
-        for row in self.prompts:
-            rows.append(row)
-            if len(rows) == self.batch_size:
-                batch = self.to_batch(rows)
-                batch.position = self.prompts.rows_consumed
-                rows = []
-                yield batch
+        index = self.batch_index(self.prompts.rows_consumed)
+        floor = self.epoch_floor() if self.epoch_floor is not None else None
+        if floor is not None:
+            index = max(index, floor * self.batches_per_epoch)
+        end = (index // self.batches_per_epoch + 1) * self.batches_per_epoch
+        for i in range(index, end):
+            batch = self.to_batch(self.prompts.rows(self.position(i), self.batch_size))
+            batch.position = self.position(i + 1)
+            self.prompts.rows_consumed = batch.position
+            yield batch
+
+
+class HeldOutBatches:
+    """Held-out rows as `PromptBatch`es of up to `batch_size` rows, in order; the last batch may be smaller."""
+
+    def __init__(
+        self, rows: list[dict[str, Any]], batch_size: int, to_batch: Callable[[list[dict[str, Any]]], PromptBatch]
+    ):
+        self.rows = rows
+        self.batch_size = batch_size
+        self.to_batch = to_batch
+
+    def __len__(self) -> int:
+        return -(-len(self.rows) // self.batch_size)
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        for start in range(0, len(self.rows), self.batch_size):
+            yield self.to_batch(self.rows[start : start + self.batch_size])
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Owns the prompts: sources, tokenisation, per-rank sharding, a resumable position.
+    """Owns the prompts: sources, tokenisation, per-rank sharding, epochs, held-out sets, a resumable position.
 
     Args:
         prompts: 'builtin:digits', a .jsonl/.txt file, or (from Python) a list of strings or dicts.
@@ -52,9 +143,21 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_truncation: 'error' (default) or 'left' (cut the start of long prompts, with a warning).
         prompt_column: field of the prompt text in .jsonl rows; the other fields reach reward functions.
         tokenizer: defaults to the module's tokenizer.
-        seed: order of the prompts.
+        seed: order of the prompts (and which rows a fractional `val_prompts` holds out).
         shuffle: reshuffle a finite prompt set each pass.
+        rollouts_per_epoch: batches per epoch. None: one pass over a finite prompt set (this rank's share; a
+            tail smaller than `batch_size` is dropped), 100 for a `builtin:<task>` stream.
+        val_prompts: held-out prompts for the validation loop: a file, a list or 'builtin:<task>' (`val_size`
+            rows drawn with a seed of their own), or a fraction 0 < f < 1 of a finite `prompts` set (ceil(f x n)
+            rows chosen by `seed`, in file order) that training then leaves out. None: no validation.
+        test_prompts: for the test loop, the same forms but a fraction; None: the validation prompts.
+        predict_prompts: for the predict loop, as `test_prompts`; None: the validation prompts.
+        val_batch_size: prompts per held-out batch and process; None: `batch_size`.
+        val_size: rows drawn from a `builtin:<task>` held-out set.
     """
+
+    # held-out prompts are sharded row by row, so a rank can have none when there are fewer rows than ranks
+    allow_zero_length_dataloader_with_multiple_devices = True
 
     def __init__(
         self,
@@ -66,6 +169,12 @@ class RolloutDataModule(L.LightningDataModule):
         tokenizer: Any = None,
         seed: int = 0,
         shuffle: bool = True,
+        rollouts_per_epoch: int | None = None,
+        val_prompts: float | str | list | None = None,
+        test_prompts: str | list | None = None,
+        predict_prompts: str | list | None = None,
+        val_batch_size: int | None = None,
+        val_size: int = 64,
     ):
         super().__init__()
         if batch_size < 1:
@@ -73,6 +182,15 @@ class RolloutDataModule(L.LightningDataModule):
         if max_prompt_length < 1:
             raise ConfigError(f"data.max_prompt_length: must be >= 1, got {max_prompt_length}")
         check_choice(prompt_truncation, PromptTruncation, "data.prompt_truncation")
+        if rollouts_per_epoch is not None and rollouts_per_epoch < 1:
+            raise ConfigError(
+                f"data.rollouts_per_epoch: must be >= 1, got {rollouts_per_epoch}; or null for one pass over a "
+                f"finite prompt set ({BUILTIN_ROLLOUTS_PER_EPOCH} batches for a builtin:<task> stream)"
+            )
+        if val_batch_size is not None and val_batch_size < 1:
+            raise ConfigError(f"data.val_batch_size: must be >= 1, got {val_batch_size}; or null for data.batch_size")
+        if val_size < 1:
+            raise ConfigError(f"data.val_size: must be >= 1, got {val_size}")
         self.batch_size = batch_size
         self.max_prompt_length = max_prompt_length
         self.prompt_truncation = prompt_truncation
@@ -80,35 +198,99 @@ class RolloutDataModule(L.LightningDataModule):
         self.tokenizer = tokenizer
         self.seed = seed
         self.shuffle = shuffle
+        self.rollouts_per_epoch = rollouts_per_epoch
+        self.val_batch_size = val_batch_size
+        self.val_size = val_size
         self.source = self._load_source(prompts)
+        self.held_out_from_prompts = 0  # rows of `prompts` that a fractional val_prompts moved to validation
+        self.val_rows = self._load_val(val_prompts)
+        self.test_rows = self._load_held_out(test_prompts, "data.test_prompts", self.val_rows)
+        self.predict_rows = self._load_held_out(predict_prompts, "data.predict_prompts", self.val_rows)
         self.stream: PromptStream | None = None
+        self.prompt_tokenizer: PromptTokenizer | None = None
+        self.rank, self.world_size = 0, 1
         self.rows_trained = 0  # rows of this rank that reached training_step
         self._pending_state: dict[str, int] | None = None
 
-    def _load_source(self, prompts: str | Iterable) -> list[dict[str, Any]] | str:
+    # ------------------------------------------------------------------------------------------- sources
+
+    def _load_source(self, prompts: str | list) -> list[dict[str, Any]] | str:
         if isinstance(prompts, str):
             if is_builtin(prompts):
                 get_task(prompts, "data.prompts")  # validates the name
                 return prompts
             return read_prompt_file(prompts, self.prompt_column)
-        rows = [p if isinstance(p, dict) else {self.prompt_column: p} for p in prompts]
-        if not rows:
-            raise ConfigError("data.prompts: the prompt list is empty")
-        for i, row in enumerate(rows):
-            if not isinstance(row.get(self.prompt_column), str):
-                raise ConfigError(f"data.prompts: row {i} has no string field {self.prompt_column!r}")
-        return rows
+        return prompt_rows(list(prompts), self.prompt_column, "data.prompts")
+
+    def _load_held_out(
+        self, spec: Any, field: str, default: list[dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]] | None:
+        """A held-out prompt set: rows from a file, a list or 'builtin:<task>' (`val_size` rows)."""
+        if spec is None:
+            return default
+        if isinstance(spec, str):
+            if is_builtin(spec):
+                return builtin_rows(spec, HELD_OUT_SEEDS[field], self.val_size, field)
+            return read_prompt_file(spec, self.prompt_column, field)
+        if isinstance(spec, (list, tuple)):
+            return prompt_rows(list(spec), self.prompt_column, field)
+        kind = "a fraction" if isinstance(spec, (int, float)) else f"a {type(spec).__name__}"
+        only_val = " (only data.val_prompts takes a fraction)" if isinstance(spec, (int, float)) else ""
+        raise ConfigError(
+            f"{field}: got {kind} ({spec!r}); give a .jsonl/.txt file, a list of prompts or builtin:<task>{only_val}"
+        )
+
+    def _load_val(self, spec: Any) -> list[dict[str, Any]] | None:
+        if not isinstance(spec, (int, float)) or isinstance(spec, bool):
+            return self._load_held_out(spec, "data.val_prompts")
+        if isinstance(self.source, str):
+            raise ConfigError(
+                f"data.val_prompts: a fraction ({spec}) splits a finite data.prompts set, but data.prompts is "
+                f"{self.source!r}, an endless stream; set data.val_prompts: {self.source} (data.val_size prompts "
+                "drawn with a seed of their own), a file or a list"
+            )
+        if not 0 < spec < 1:
+            raise ConfigError(
+                f"data.val_prompts: a fraction of data.prompts must be between 0 and 1 (exclusive), got {spec}"
+            )
+        n = len(self.source)
+        count = math.ceil(spec * n - 1e-9)
+        if count >= n:
+            raise ConfigError(
+                f"data.val_prompts: holding out {spec} of the {n} prompts leaves none to train on; "
+                "lower data.val_prompts or give more prompts"
+            )
+        order = list(range(n))
+        random.Random(f"{VAL_SPLIT_SALT}:{self.seed}").shuffle(order)
+        held = set(order[:count])
+        val_rows = [row for i, row in enumerate(self.source) if i in held]
+        self.source = [row for i, row in enumerate(self.source) if i not in held]
+        self.held_out_from_prompts = count
+        return val_rows
+
+    # ------------------------------------------------------------------------------------------- Lightning
 
     def setup(self, stage: str) -> None:
         tokenizer = data_tokenizer(self.tokenizer, self.trainer)
         self.prompt_tokenizer = PromptTokenizer(
             tokenizer, self.max_prompt_length, self.prompt_truncation, self.prompt_column
         )
-        if isinstance(self.source, list) and self.prompt_truncation == "error":
-            for i, row in enumerate(self.source):  # fail before any model is loaded
-                self.prompt_tokenizer.check_length(row[self.prompt_column], f"#{i}")
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
-        self.stream = PromptStream(self.source, self.seed, self.shuffle, rank, world)
+        if self.prompt_truncation == "error":  # fail before any model is loaded
+            if isinstance(self.source, list):
+                for i, row in enumerate(self.source):
+                    self.prompt_tokenizer.check_length(row[self.prompt_column], f"#{i}")
+            for field, rows in (
+                ("data.val_prompts", self.val_rows),
+                ("data.test_prompts", self.test_rows),
+                ("data.predict_prompts", self.predict_rows),
+            ):
+                for i, row in enumerate(rows or []):
+                    self.prompt_tokenizer.check_length(row[self.prompt_column], f"#{i} of {field}")
+        if self.trainer is not None:
+            self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
+        self.stream = PromptStream(self.source, self.seed, self.shuffle, self.rank, self.world_size)
+        if stage == "fit":
+            self._check_training_set(self.stream)
         if self._pending_state is not None:
             self.load_state_dict({"prompt_stream": self._pending_state})
         module = self.trainer.lightning_module if self.trainer is not None else None
@@ -116,11 +298,45 @@ class RolloutDataModule(L.LightningDataModule):
         if check_rollout_batch is not None:
             check_rollout_batch(self.batch_size)
 
+    def _check_training_set(self, stream: PromptStream) -> None:
+        per_rank = stream.rows_per_pass  # raises when there are fewer prompts than processes
+        if per_rank is not None and per_rank < self.batch_size:
+            held_out = f" ({self.held_out_from_prompts} went to data.val_prompts)" if self.held_out_from_prompts else ""
+            raise ConfigError(
+                f"data.batch_size: {self.batch_size} prompts per process and step, but the {len(stream.source)} "
+                f"training prompts{held_out} give each of the {self.world_size} processes only {per_rank} per pass; "
+                "lower data.batch_size or give more prompts"
+            )
+
+    def _current_epoch(self) -> int | None:
+        epoch = getattr(self.trainer, "current_epoch", None) if self.trainer is not None else None
+        return epoch if isinstance(epoch, int) else None
+
     def train_dataloader(self) -> PromptBatches:
-        if self.stream is None:
+        if self.stream is None or self.prompt_tokenizer is None:
             raise RuntimeError("RolloutDataModule.train_dataloader: call setup() first")
         self.stream.load_state_dict({"rows_consumed": self.rows_trained})  # drop what was prefetched and unused
-        return PromptBatches(self.stream, self.batch_size, self.prompt_tokenizer)
+        return PromptBatches(
+            self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch, self._current_epoch
+        )
+
+    def _held_out_batches(self, rows: list[dict[str, Any]] | None, hook: str) -> HeldOutBatches | list:
+        """This rank's rows i with i % world_size == rank, in order; [] when no prompts are configured."""
+        if rows is None:
+            return []
+        if self.prompt_tokenizer is None:
+            raise RuntimeError(f"RolloutDataModule.{hook}: call setup() first")
+        shard = rows[self.rank :: self.world_size]
+        return HeldOutBatches(shard, self.val_batch_size or self.batch_size, self.prompt_tokenizer)
+
+    def val_dataloader(self) -> HeldOutBatches | list:
+        return self._held_out_batches(self.val_rows, "val_dataloader")
+
+    def test_dataloader(self) -> HeldOutBatches | list:
+        return self._held_out_batches(self.test_rows, "test_dataloader")
+
+    def predict_dataloader(self) -> HeldOutBatches | list:
+        return self._held_out_batches(self.predict_rows, "predict_dataloader")
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, PromptBatch) and self.trainer is not None and self.trainer.training:

@@ -48,5 +48,7 @@ class PromptTokenizer:
                 self._warned = True
             input_ids = input_ids[:, -self.max_prompt_length :]
             attention_mask = attention_mask[:, -self.max_prompt_length :]
-        meta = {key: [row.get(key) for row in rows] for key in rows[0] if key != self.prompt_column}
+        # every extra column of any row, in order of first appearance; None where a row lacks it
+        keys = dict.fromkeys(key for row in rows for key in row if key != self.prompt_column)
+        meta = {key: [row.get(key) for row in rows] for key in keys}
         return PromptBatch(input_ids=input_ids, attention_mask=attention_mask, texts=texts, meta=meta)

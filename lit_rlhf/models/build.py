@@ -13,6 +13,7 @@ from lit_rlhf.config import AlgorithmConfig, ConfigError
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_causal_lm
 from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
+from lit_rlhf.models.portable import is_portable, portable_spec
 from lit_rlhf.registry import is_builtin
 from lit_rlhf.rewards.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
 
@@ -31,17 +32,36 @@ class ModelSpecs:
     reward_model: Any = None
     reward_tokenizer: Any = None
 
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            raise ConfigError(
+                "model.policy: none given. A checkpoint of a module built from a model instance without a "
+                "transformers config cannot rebuild it: pass policy=<the model or its folder> to load_from_checkpoint"
+            )
+
     def names(self) -> dict[str, str | None]:
-        """The specs that are names (or None): hyperparameters a checkpoint can rebuild the models from."""
-        return {k: v for k in MODEL_ARGUMENTS if (v := getattr(self, k)) is None or isinstance(v, str)}
+        """Hyperparameters: each spec that is a name, else None (instances and portable specs are not
+        hyperparameters; checkpoints carry `portable()` instead)."""
+        return {k: v if isinstance(v := getattr(self, k), str) else None for k in MODEL_ARGUMENTS}
+
+    def portable(self) -> dict[str, Any]:
+        """For each spec given as an instance, what a checkpoint needs to rebuild it (`models.portable`)."""
+        out = {}
+        for key in MODEL_ARGUMENTS:
+            value = getattr(self, key)
+            spec = value if is_portable(value) or value is None or isinstance(value, str) else portable_spec(value)
+            if isinstance(spec, dict):
+                out[key] = spec
+        return out
 
     def rebuildable_prefixes(self, has_reference: bool, has_reward_model: bool) -> tuple[str, ...]:
         """State-dict prefixes of the frozen models that are reloaded from their source, so checkpoints need
         not carry them: a reference or reward model named by a folder or hub id."""
         named = isinstance(self.policy, str) and not is_builtin(self.policy)
         prefixes = []
-        if has_reference and ((self.reference is None and named)
-                              or (isinstance(self.reference, str) and not is_builtin(self.reference))):
+        if has_reference and (
+            (self.reference is None and named) or (isinstance(self.reference, str) and not is_builtin(self.reference))
+        ):
             prefixes.append("reference.")
         if has_reward_model and isinstance(self.reward_model, str):
             prefixes.append("reward_model.")

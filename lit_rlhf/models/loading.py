@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.models.portable import is_portable, model_from_portable, tokenizer_from_portable
 from lit_rlhf.registry import get_task, is_builtin
 
 
@@ -27,27 +28,36 @@ def check_local_path(spec: str, field: str, needs: tuple[str, ...] = ()) -> None
     folder = os.path.expanduser(spec)
     if needs and os.path.isdir(folder) and not any(os.path.exists(os.path.join(folder, n)) for n in needs):
         raise ConfigError(
-            f"{field}: the folder {spec!r} holds none of {', '.join(needs)}; is it a folder written by "
-            "save_pretrained?"
+            f"{field}: the folder {spec!r} holds none of {', '.join(needs)}; is it a folder written by save_pretrained?"
         )
 
 
 MODEL_FILES = ("config.json", "adapter_config.json")  # a full model, or a PEFT adapter on a named base
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
-                   "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
 def load_tokenizer(spec: Any, field: str = "tokenizer", trust_remote_code: bool = False):
-    """A tokenizer from an instance, a 'builtin:<task>' name, or a folder/model name; left padding, pad set."""
+    """A tokenizer from an instance, a 'builtin:<task>' name, or a folder/model name; left padding, pad set.
+
+    An instance is copied first: the caller's tokenizer is never changed."""
     from transformers import AutoTokenizer
 
     if is_builtin(spec):
         tokenizer = get_task(spec, field).tokenizer()
+    elif is_portable(spec):
+        tokenizer = tokenizer_from_portable(spec)
     elif isinstance(spec, str):
         check_local_path(spec, field, TOKENIZER_FILES)
         tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
     else:
-        tokenizer = spec
+        tokenizer = copy.deepcopy(spec)
     return prepare_tokenizer(tokenizer, field)
 
 
@@ -71,7 +81,7 @@ def prepare_tokenizer(tokenizer, field: str = "tokenizer"):
 def data_tokenizer(spec: Any, trainer: Any, field: str = "data.tokenizer"):
     """A DataModule's tokenizer: its own setting (name, folder or instance), else the module's `tokenizer`."""
     if spec is not None:
-        return spec if hasattr(spec, "pad_token_id") else load_tokenizer(spec, field)
+        return load_tokenizer(spec, field)
     module = trainer.lightning_module if trainer is not None else None
     tokenizer = getattr(module, "tokenizer", None)
     if tokenizer is None:
@@ -80,11 +90,13 @@ def data_tokenizer(spec: Any, trainer: Any, field: str = "data.tokenizer"):
 
 
 def load_causal_lm(spec: Any, field: str = "policy", trust_remote_code: bool = False, **kwargs) -> nn.Module:
-    """A causal LM from an instance, a 'builtin:<task>' name, or a folder/model name."""
+    """A causal LM from an instance, a 'builtin:<task>' name, a folder/model name, or a portable spec."""
     from transformers import AutoModelForCausalLM
 
     if is_builtin(spec):
         return get_task(spec, field).policy()
+    if is_portable(spec):
+        return model_from_portable(spec, AutoModelForCausalLM)
     if isinstance(spec, str):
         check_local_path(spec, field, MODEL_FILES)
         return AutoModelForCausalLM.from_pretrained(spec, trust_remote_code=trust_remote_code, **kwargs)
@@ -131,10 +143,13 @@ def load_sequence_classifier(spec: Any, field: str, trust_remote_code: bool = Fa
         if build is None:
             raise ConfigError(f"{field}: the built-in task {spec!r} has no reward model")
         return build()
+    if is_portable(spec):
+        return model_from_portable(spec, AutoModelForSequenceClassification)
     if isinstance(spec, str):
         check_local_path(spec, field, MODEL_FILES)
-        return AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1,
-                                                                  trust_remote_code=trust_remote_code)
+        return AutoModelForSequenceClassification.from_pretrained(
+            spec, num_labels=1, trust_remote_code=trust_remote_code
+        )
     if not isinstance(spec, nn.Module):
         raise ConfigError(f"{field}: expected a model name, a folder or a transformers model, got {type(spec)!r}")
     return spec

@@ -30,8 +30,10 @@ def lora_config(settings: dict[str, Any], field: str = "model.lora"):
             f"{field}: LoRA needs the peft package; pip install peft (or pip install -e '.[lora]')"
         ) from err
     if not isinstance(settings, dict):
-        raise ConfigError(f"{field}: expected a mapping like {{r: 8, alpha: 16, target_modules: all-linear}}, "
-                          f"got {type(settings).__name__}")
+        raise ConfigError(
+            f"{field}: expected a mapping like {{r: 8, alpha: 16, target_modules: all-linear}}, "
+            f"got {type(settings).__name__}"
+        )
     merged = {**LORA_DEFAULTS, **settings}
     if not isinstance(merged["r"], int) or merged["r"] < 1:
         raise ConfigError(f"{field}.r: the LoRA rank must be an integer >= 1, got {merged['r']!r}")
@@ -95,8 +97,14 @@ class AdapterDisabledReference(nn.Module):
         if logits_to_keep and accepts_argument(self.policy, "logits_to_keep"):
             kwargs["logits_to_keep"] = logits_to_keep
         with self.policy.disable_adapter():  # type: ignore[operator]  # peft method
-            return self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=use_cache, output_hidden_states=output_hidden_states, **kwargs)
+            return self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=use_cache,
+                output_hidden_states=output_hidden_states,
+                **kwargs,
+            )
 
 
 def parameter_bytes(*modules: nn.Module) -> int:

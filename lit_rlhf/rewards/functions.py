@@ -41,14 +41,20 @@ def import_callable(path: str, field: str = "reward_fns") -> RewardFn:
     return fn
 
 
-def resolve_reward_fns(fns: Sequence[str | RewardFn] | None) -> list[RewardFn]:
-    return [import_callable(f) if isinstance(f, str) else f for f in (fns or [])]
+def resolve_reward_fns(fns: Sequence[str | RewardFn] | None, field: str = "reward_fns") -> list[RewardFn]:
+    """Callables as given, dotted paths imported (a `ConfigError` naming `field` when one fails)."""
+    return [import_callable(f, field) if isinstance(f, str) else f for f in (fns or [])]
 
 
 def callable_path(fn: RewardFn) -> str:
     """'module.qualname' of a function, or of a callable object's class (a partial has neither name)."""
     module = getattr(fn, "__module__", None) or type(fn).__module__
     return f"{module}.{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
+
+
+def callable_name(fn: RewardFn) -> str:
+    """The short name of a function, or of a callable object's class: a metric's name in logs."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _name(fn: RewardFn) -> str:

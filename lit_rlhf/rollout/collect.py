@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lit_rlhf.algorithms.losses import last_token_index
-from lit_rlhf.config import AlgorithmConfig, SamplingConfig
-from lit_rlhf.rewards.composer import RewardComposer
-from lit_rlhf.rewards.reward_model import SequenceRewardModel
-from lit_rlhf.rollout.generation import decode_responses, generate
+from lit_rlhf.config import SamplingConfig
+from lit_rlhf.rollout.generation import Generation, decode_responses, generate
 from lit_rlhf.types import PromptBatch, Rollout
+
+ScoreFn = Callable[[list[str], list[str], dict[str, list[Any]], Generation], Tensor]
+"""(prompts, responses, meta, generation) -> (B,) scores: `RLHFModule.compute_scores`."""
 
 
 @dataclass
@@ -28,17 +29,18 @@ def collect_rollout(
     prompts: PromptBatch,
     policy: nn.Module,
     tokenizer: Any,
-    composer: RewardComposer,
-    reward_model: SequenceRewardModel | None,
-    algo: AlgorithmConfig,
+    score: ScoreFn,
+    group_size: int,
     sampling: SamplingConfig,
+    truncated_score: float | None = None,
     policy_version: int = 0,
 ) -> tuple[Rollout, RolloutTimings]:
-    """Generate and score one batch of prompts (on the policy's device) into a `Rollout`."""
+    """Generate `group_size` responses per prompt (on the policy's device), decode and score them into a
+    `Rollout`; responses that hit the length limit score `truncated_score` when it is given."""
     timings = RolloutTimings()
     device = next(policy.parameters()).device
     prompts = prompts.to(device)
-    G = algo.filled.group_size
+    G = group_size
 
     start = time.perf_counter()
     gen = generate(policy, prompts, G, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id)
@@ -48,13 +50,9 @@ def collect_rollout(
     prompt_texts = [text for text in prompts.texts for _ in range(G)]
     meta = {key: [v for v in values for _ in range(G)] for key, values in prompts.meta.items()}
     responses = decode_responses(tokenizer, gen.response_ids, gen.response_mask)
-    input_ids = torch.cat([gen.prompt_ids, gen.response_ids], dim=1)  # (B, P+T)
-    attention_mask = torch.cat([gen.prompt_mask, gen.response_mask.long()], dim=1)  # (B, P+T)
-    last_index = gen.prompt_ids.shape[1] + last_token_index(gen.response_mask)  # (B,) in the full sequence
-    scores = composer(prompt_texts, responses, meta, reward_model, input_ids, attention_mask, last_index)
-    scores = scores.to(device).float()
-    if algo.truncated_score is not None:
-        scores = torch.where(gen.truncated, torch.full_like(scores, algo.truncated_score), scores)
+    scores = score(prompt_texts, responses, meta, gen).to(device).float()
+    if truncated_score is not None:
+        scores = torch.where(gen.truncated, torch.full_like(scores, truncated_score), scores)
     timings.score_s = time.perf_counter() - start
     rollout = Rollout(
         prompt_ids=gen.prompt_ids,
@@ -65,6 +63,7 @@ def collect_rollout(
         scores=scores,
         prompts=prompt_texts,
         responses=responses,
+        meta=meta,
         policy_version=policy_version,
     )
     return rollout, timings

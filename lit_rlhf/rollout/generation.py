@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_rlhf.algorithms.losses import last_token_index
 from lit_rlhf.config import SamplingConfig
 from lit_rlhf.rollout.sampler import sample
 from lit_rlhf.types import PromptBatch
@@ -23,6 +24,18 @@ class Generation:
     response_ids: Tensor  # (B, T) right padded with pad after the first EOS
     response_mask: Tensor  # (B, T) bool, up to and including the first EOS
     truncated: Tensor  # (B,) bool, no EOS within the limit
+
+    def input_ids(self) -> Tensor:
+        """Prompt and response: (B, P+T)."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    def attention_mask(self) -> Tensor:
+        """(B, P+T): the prompt's mask, then the response up to its EOS."""
+        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+
+    def last_index(self) -> Tensor:
+        """(B,) column of each response's last token (its EOS, when it ended) in `input_ids()`."""
+        return self.prompt_ids.shape[1] + last_token_index(self.response_mask)
 
 
 def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
@@ -63,6 +76,7 @@ def generate(
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             generator=generator,
+            do_sample=sampling.do_sample,
         ).response_ids
     else:
         raw = hf_generate(policy, prompt_ids, prompt_mask, sampling, eos_token_id, pad_token_id)
@@ -79,15 +93,14 @@ def hf_generate(
     eos_token_id: int,
     pad_token_id: int,
 ) -> Tensor:
-    """Hugging Face `generate(do_sample=True)`: (B, P) left-padded prompts -> (B, T) raw response ids."""
+    """Hugging Face `generate`: (B, P) left-padded prompts -> (B, T) raw response ids."""
     from transformers import GenerationConfig
 
+    shaping = {"temperature": sampling.temperature, "top_k": sampling.top_k or None, "top_p": sampling.top_p}
     config = GenerationConfig(
-        do_sample=True,
+        do_sample=sampling.do_sample,
         max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k if sampling.top_k > 0 else None,
-        top_p=sampling.top_p,
+        **(shaping if sampling.do_sample else {}),
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         use_cache=True,

@@ -77,8 +77,10 @@ def sample(
     generator: torch.Generator | None = None,
     return_logprobs: bool = False,
     stop_check_every: int | None = None,
+    do_sample: bool = True,
 ) -> SampleOutput:
-    """Sample up to `max_new_tokens` tokens after each left-padded prompt.
+    """Sample up to `max_new_tokens` tokens after each left-padded prompt (`do_sample` False: greedy, the
+    most likely token at every step, as `generate(do_sample=False)`; top-k/top-p do not change the argmax).
 
     input_ids, attention_mask (B, P) -> `SampleOutput` with response_ids (B, T). Stops early when every
     sequence has emitted `eos_token_id`; after its EOS a sequence gets `pad_token_id`.
@@ -115,9 +117,11 @@ def sample(
             logits = logits / temperature
         if return_logprobs:
             raw_logits = logits
-        logits = mask_logits(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+        if do_sample:
+            probs = torch.softmax(mask_logits(logits, top_k, top_p), dim=-1)
+            next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
+        else:
+            next_tokens = logits.argmax(dim=-1)  # (B,)
         next_tokens = torch.where(unfinished, next_tokens, pad)
         tokens[:, t] = next_tokens
         if logprobs is not None:

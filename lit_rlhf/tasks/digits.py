@@ -81,6 +81,11 @@ def sort_digits_reward(prompts: Sequence[str], responses: Sequence[str], **meta:
     return [sort_digits_score(p, r) for p, r in zip(prompts, responses, strict=True)]
 
 
+def sorted_exactly(prompts: Sequence[str], responses: Sequence[str], **meta: Any) -> list[float]:
+    """Held-out metric: 1.0 when the response is exactly the sorted digits (surrounding spaces aside), else 0.0."""
+    return [float(r.strip() == "".join(sorted(p.split(SEPARATOR)[0]))) for p, r in zip(prompts, responses, strict=True)]
+
+
 def builtin_reward_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
     """A from-scratch GPT-2 sequence classifier with one output, on the config of `builtin_policy` (same
     vocabulary and special ids, pad_token_id set), to train as a reward model with `lit_rlhf.rewards.training`."""

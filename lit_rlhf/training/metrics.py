@@ -1,13 +1,19 @@
 """The metrics of a training step (docs/design.md, Metrics), their averaging between log writes, and the
-samples table."""
+prompt/response samples written to every logger."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.loggers import CSVLogger, Logger
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.utilities.rank_zero import WarningCache
 
 from lit_rlhf.algorithms import losses
 from lit_rlhf.config import AlgorithmConfig
@@ -78,19 +84,99 @@ def trainer_writes_logs(trainer: Any, step: int) -> bool:
     return bool(every) and (step % every == 0 or trainer.should_stop)
 
 
-def samples_table(exp: Experience, group_size: int, count: int = 4) -> str:
-    """A markdown table of prompts, responses and scores, one row from each of `count` different prompts."""
+SAMPLE_COLUMNS = ("prompt", "response", "score")
+
+# the characters escaped in a markdown table cell (in one pass), each escape read literally by Python-Markdown
+# (TensorBoard's renderer): `|` so a cell never splits; `<`, `>`, `&` as entities so `<|im_start|>` or `<s>` stay
+# text; the backslash, backtick, `*`, `_`, `[`, `]` so no code span, emphasis or link appears
+_CELL_ESCAPES = {
+    "\\": "\\\\",
+    "`": "\\`",
+    "|": "\\|",
+    "*": "\\*",
+    "_": "\\_",
+    "[": "\\[",
+    "]": "\\]",
+    "&": "&amp;",
+    "<": "&lt;",
+    ">": "&gt;",
+}
+_CELL_SPECIAL = re.compile("|".join(re.escape(c) for c in _CELL_ESCAPES))
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+_unsupported_loggers = WarningCache()
+
+
+def sample_rows(
+    prompts: list[str], responses: list[str], scores: list[float], group_size: int, count: int = 4
+) -> list[dict[str, Any]]:
+    """Rows {"prompt", "response", "score"} for up to `count` distinct prompts: the first sample of each group.
+
+    prompts, responses, scores: B = B0 x G entries, each prompt repeated G = `group_size` times in a row.
+    """
+    return [
+        {"prompt": prompts[i], "response": responses[i], "score": float(scores[i])}
+        for i in range(0, len(prompts), group_size)[:count]
+    ]
+
+
+def markdown_cell(text: str) -> str:
+    """`text` as one markdown table cell's content: no character in it can end the cell or the row, or render as
+    markup; line breaks become `<br>`."""
+    escaped = _CELL_SPECIAL.sub(lambda m: _CELL_ESCAPES[m.group()], text)
+    return _NEWLINE.sub("<br>", escaped)
+
+
+def samples_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A markdown table of sample rows, one line per row, the texts escaped (`markdown_cell`)."""
     lines = ["| prompt | response | score |", "|---|---|---|"]
-    for i in list(range(0, exp.batch_size, group_size))[:count]:
-        lines.append(f"| `{exp.prompts[i]}` | `{exp.responses[i]}` | {float(exp.scores[i]):.3f} |")
+    for row in rows:
+        lines.append(f"| {markdown_cell(row['prompt'])} | {markdown_cell(row['response'])} | {row['score']:.3f} |")
     return "\n".join(lines)
 
 
-def write_samples(logger: Any, table: str, step: int) -> None:
-    """The samples table to a logger that takes text (TensorBoard's `add_text`); others are skipped."""
-    experiment = getattr(logger, "experiment", None) if logger is not None else None
-    if experiment is not None and hasattr(experiment, "add_text"):
-        experiment.add_text("samples", table, global_step=step)
+def write_samples(
+    loggers: Sequence[Logger], rows: Sequence[Mapping[str, Any]], step: int, tag: str = "samples"
+) -> None:
+    """The sample rows to every logger, each in its own way (call on rank 0 only):
+
+    - CSVLogger: JSON lines {"step", "tag", "prompt", "response", "score"} appended to `<log_dir>/samples.jsonl`;
+    - a logger with `log_text(key, columns, data, step)` (WandbLogger): a table under `tag`;
+    - an experiment with `add_text` (TensorBoardLogger): the escaped markdown table (`samples_markdown`) under `tag`;
+    - a logger with a `run_id` whose experiment has `log_dict` (MLFlowLogger): an artifact `<tag>/step_<step>.json`
+      holding {"columns", "data"}, MLflow's table layout;
+    - any other logger: nothing, and a warning naming its class (once per class).
+    """
+    data = [[str(row["prompt"]), str(row["response"]), float(row["score"])] for row in rows]
+    for logger in loggers:
+        if isinstance(logger, CSVLogger):
+            append_jsonl(logger.log_dir, step, tag, data)
+            continue
+        log_text = getattr(logger, "log_text", None)
+        if callable(log_text):
+            log_text(key=tag, columns=list(SAMPLE_COLUMNS), data=data, step=step)
+            continue
+        experiment: Any = getattr(logger, "experiment", None)
+        if callable(getattr(experiment, "add_text", None)):
+            experiment.add_text(tag, samples_markdown(rows), global_step=step)
+        elif callable(getattr(experiment, "log_dict", None)) and (run_id := getattr(logger, "run_id", None)):
+            table = {"columns": list(SAMPLE_COLUMNS), "data": data}
+            experiment.log_dict(run_id, table, f"{tag}/step_{step:08d}.json")
+        else:
+            _unsupported_loggers.warn(
+                f"lit_rlhf writes no prompt/response samples to {type(logger).__name__}: it is not a CSVLogger and"
+                " has none of the text APIs it knows (`log_text`, `experiment.add_text`, MLflow's"
+                " `experiment.log_dict`)."
+            )
+
+
+def append_jsonl(log_dir: str, step: int, tag: str, data: list[list[Any]]) -> None:
+    """Sample rows [prompt, response, score] as JSON lines appended to `<log_dir>/samples.jsonl`."""
+    fs = get_filesystem(log_dir)
+    fs.makedirs(log_dir, exist_ok=True)
+    with fs.open(os.path.join(log_dir, "samples.jsonl"), "a", encoding="utf-8") as file:
+        for prompt, response, score in data:
+            record = {"step": step, "tag": tag, "prompt": prompt, "response": response, "score": score}
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 class PhaseClock:

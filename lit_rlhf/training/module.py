@@ -7,29 +7,38 @@ scoring in `lit_rlhf.rollout`, model building in `lit_rlhf.models.build`, resume
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.algorithms.experience import PolicyForward, make_experience, policy_forward, reference_logits
+from lit_rlhf.algorithms.experience import (
+    PolicyForward,
+    compute_advantages,
+    make_experience,
+    policy_forward,
+    reference_logits,
+)
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
-from lit_rlhf.config import AlgorithmConfig, LRSchedule, SamplingConfig, check_module_settings, check_precision
+from lit_rlhf.config import AlgorithmConfig, LRSchedule, SamplingConfig, check_module_settings
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
+from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.models.lora import lora_config
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn, callable_path, resolve_reward_fns
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
 from lit_rlhf.rollout.collect import collect_rollout
+from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.training import metrics as logs
-from lit_rlhf.training.optim import gradient_norm, non_finite, single_optimizer, warmup_then_decay
+from lit_rlhf.training.evaluation import HeldOutEvaluation
+from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches, split_rows
 
 
-class RLHFModule(ExactResume):
+class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExport):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 
     Args:
@@ -51,6 +60,8 @@ class RLHFModule(ExactResume):
         max_consecutive_skips: stop after this many optimizer steps in a row skipped for non-finite values.
         lora: LoRA adapters on the policy (needs `peft`), e.g. {r: 8, alpha: 16}; the reference is then the
             same weights with the adapters disabled. None: full fine-tuning.
+        metric_fns: held-out metrics that never train (reward-function contract), logged as `val/<name>`.
+        val_sampling, val_samples_per_prompt: how held-out prompts are answered (default: greedy, one each).
     """
 
     def __init__(
@@ -77,23 +88,32 @@ class RLHFModule(ExactResume):
         trust_remote_code: bool = False,
         max_consecutive_skips: int = 3,
         lora: dict[str, Any] | None = None,
+        metric_fns: Sequence[str | RewardFn] | None = None,
+        val_sampling: SamplingConfig | None = None,
+        val_samples_per_prompt: int = 1,
     ):
         super().__init__()
         self.automatic_optimization = False
         # dicts: as stored in a (weights-only loadable) checkpoint
         self.algorithm = AlgorithmConfig(**algorithm) if isinstance(algorithm, dict) else algorithm or AlgorithmConfig()
         self.sampling = SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling or SamplingConfig()
-        check_module_settings(lr, lr_schedule, warmup_steps, max_consecutive_skips, reward_model, reward_fns)
+        check_module_settings(
+            lr, lr_schedule, warmup_steps, max_consecutive_skips, reward_model, reward_fns, self.sampling
+        )
+        greedy = SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, do_sample=False)
+        val = SamplingConfig(**val_sampling) if isinstance(val_sampling, dict) else val_sampling or greedy
+        self.setup_evaluation(resolve_reward_fns(metric_fns, "model.metric_fns"), val, val_samples_per_prompt)
         if lora is not None:
             lora_config(lora)  # fail on bad LoRA settings before any model is loaded
         # fail on an unimportable reward function now, before any model is loaded
         self.reward = RewardComposer(resolve_reward_fns(reward_fns), reward_weights, reward_model_weight, nan_score)
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         # model instances and callables are not hyperparameters; their names are
-        self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns"])
+        self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])
         self.hparams.update(self.specs.names())
-        if reward_fns:
-            self.hparams["reward_fns"] = [f if isinstance(f, str) else callable_path(f) for f in reward_fns]
+        for key, fns in (("reward_fns", reward_fns), ("metric_fns", metric_fns)):
+            if fns:
+                self.hparams[key] = [f if isinstance(f, str) else callable_path(f) for f in fns]
         tokenizer_spec = tokenizer if tokenizer is not None else policy
         self.tokenizer = load_tokenizer(tokenizer_spec, "model.tokenizer", trust_remote_code)
         self.actor_critic: Any = None  # an ActorCritic once configure_model ran
@@ -116,26 +136,9 @@ class RLHFModule(ExactResume):
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
 
-    def rebuilt_prefixes(self) -> tuple[str, ...]:
-        """Frozen models reloaded from their source, left out of checkpoints (`ExactResume`)."""
-        return self.specs.rebuildable_prefixes(self.reference is not None, self.reward_model is not None)
-
     def check_rollout_batch(self, prompts_per_step: int) -> None:
         """Called by the DataModule before models load: the rollout must split into (micro-)batches."""
         self.algorithm.check_batch(prompts_per_step * self.algorithm.filled.group_size)
-
-    def setup(self, stage: str) -> None:
-        check_precision(str(self.trainer.precision))
-
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        beta1, beta2 = hp["betas"]
-        params = self.trainable_parameters()
-        optimizer = torch.optim.AdamW(params, hp["lr"], (beta1, beta2), weight_decay=hp["weight_decay"])
-        total = self.trainer.max_steps if self.trainer.max_steps > 0 else None
-        schedule = warmup_then_decay(hp["lr_schedule"], hp["warmup_steps"], total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train(self, mode: bool = True) -> RLHFModule:
         """Lightning switches everything to train mode; the frozen models stay in eval mode."""
@@ -175,12 +178,32 @@ class RLHFModule(ExactResume):
         was_training = self.actor_critic.training
         self.actor_critic.eval()
         try:
-            policy, version = self.actor_critic.policy, self.state.policy_version
+            algo, version = self.algorithm, self.state.policy_version
             return collect_rollout(
-                prompts, policy, self.tokenizer, self.reward, self.reward_model, self.algorithm, self.sampling, version
+                prompts,
+                self.actor_critic.policy,
+                self.tokenizer,
+                self.compute_scores,
+                algo.filled.group_size,
+                self.sampling,
+                algo.truncated_score,
+                version,
             )
         finally:
             self.actor_critic.train(was_training)
+
+    def compute_scores(
+        self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation
+    ) -> Tensor:
+        """Hook: one score per response, (B,) float. Default: the weighted reward functions and reward model.
+        Every rollout and every held-out evaluation is scored here (truncation handling comes after)."""
+        ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
+        return self.reward(prompts, responses, meta, self.reward_model, ids, mask, last)
+
+    def compute_advantages(self, rollout: Rollout, kl: Tensor | None, values: Tensor | None) -> tuple[Tensor, Any]:
+        """Hook: advantages (B, T) and returns (B, T) or None from the rollout's scores, the per-token KL to the
+        reference and the critic's values (either None when absent). Default: `algorithm`'s estimator."""
+        return compute_advantages(self.algorithm, rollout.scores, kl, values, rollout.response_mask)
 
     def make_experience(self, rollout: Rollout) -> tuple[Experience, PolicyForward | None]:
         """Phase 3: the reference's and the sampling policy's forwards into the complete experience.
@@ -197,7 +220,10 @@ class RLHFModule(ExactResume):
                 sampling_policy = policy_forward(self.actor_critic, rollout, temperature)
         else:
             sampling_policy = first_forward = policy_forward(self.actor_critic, rollout, temperature)
-        return make_experience(rollout, self.algorithm, sampling_policy, ref_logits, temperature), first_forward
+        experience = make_experience(
+            rollout, self.algorithm, sampling_policy, ref_logits, temperature, self.compute_advantages
+        )
+        return experience, first_forward
 
     def on_experience(self, experience: Experience) -> None:
         """Hook called with every complete experience before the update (for callbacks and tests)."""
@@ -245,32 +271,6 @@ class RLHFModule(ExactResume):
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return contextlib.nullcontext() if enabled or block is None else block()
 
-    def clip_and_step(self, stats: dict[str, float]) -> float:
-        """Clip, step the optimizer and the schedule, zero the gradients; returns the pre-clip gradient norm.
-
-        A non-finite loss or gradient norm skips the step (weights unchanged, counted); after
-        `max_consecutive_skips` skips in a row training stops with an error naming what went non-finite.
-        """
-        optimizer, scheduler = single_optimizer(self.optimizers()), self.lr_schedulers()
-        norm = gradient_norm(self.trainable_parameters())
-        bad = non_finite(stats, norm)
-        if bad:
-            optimizer.zero_grad(set_to_none=True)
-            self.state.skip_update(bad, self.hparams["max_consecutive_skips"], self.global_step)
-            return norm
-        self.state.consecutive_skips = 0
-        if self.algorithm.max_grad_norm is not None:
-            self.clip_gradients(optimizer.optimizer, self.algorithm.max_grad_norm, "norm")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            scheduler.step()
-        self.state.policy_version += 1
-        return norm
-
-    def trainable_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for p in self.actor_critic.parameters() if p.requires_grad)
-
     # ------------------------------------------------------------------ logging
 
     def log_step(self, metrics: dict[str, float], experience: Experience) -> None:
@@ -285,11 +285,14 @@ class RLHFModule(ExactResume):
         batch_size = experience.batch_size
         reward = metrics["rollout/reward_mean"]
         self.log("reward", reward, prog_bar=True, logger=False, sync_dist=True, batch_size=batch_size)
+        self.log("kl", metrics["objective/kl"], prog_bar=True, logger=False, sync_dist=True, batch_size=batch_size)
+        self.step_schedulers("step", self.state.rollouts_done, plateau=True)  # after this rollout's metrics exist
         self.metric_window.add(metrics)
         if logs.trainer_writes_logs(self.trainer, self.state.rollouts_done):
             self.log_dict(self.metric_window.values(), on_step=True, sync_dist=True, batch_size=batch_size)
             self.metric_window.clear()
         every = self.hparams["log_samples_every_n_steps"]
         if every and self.global_rank == 0 and (self.state.rollouts_done - 1) % every == 0:
-            table = logs.samples_table(experience, self.algorithm.filled.group_size)
-            logs.write_samples(self.logger, table, self.global_step)
+            scores, group = experience.scores.tolist(), self.algorithm.filled.group_size
+            rows = logs.sample_rows(experience.prompts, experience.responses, scores, group)
+            logs.write_samples(self.loggers, rows, self.global_step)

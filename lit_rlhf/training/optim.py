@@ -1,17 +1,24 @@
-"""Optimizer helpers: learning-rate schedules (multipliers for `LambdaLR`), the gradient norm, and the
-non-finite check that decides whether an optimizer step is skipped."""
+"""The optimizer side of the manual update loop: the default AdamW with its learning-rate schedule, the
+clipped step that skips non-finite updates, and the schedulers of any `configure_optimizers` override stepped
+as Lightning documents them (interval "step" or "epoch", frequency, `ReduceLROnPlateau` on a monitored metric).
+
+Lightning steps nothing itself under manual optimisation, and refuses `Trainer(gradient_clip_val=...)` and
+`accumulate_grad_batches`; `ManualOptimization.configure_callbacks` names the settings to use instead."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from lit_rlhf.config import ConfigError, LRSchedule
+from lit_rlhf.config import AlgorithmConfig, ConfigError, LRSchedule, check_precision
+from lit_rlhf.training.state import TrainingState
 
 
 def warmup_then_decay(schedule: LRSchedule, warmup_steps: int, total_steps: int | None) -> Callable[[int], float]:
@@ -52,3 +59,149 @@ def single_optimizer(optimizers: Any) -> LightningOptimizer:
     if not isinstance(optimizers, LightningOptimizer):
         raise ConfigError("configure_optimizers: the update loop steps one optimizer; return exactly one")
     return optimizers
+
+
+def total_optimizer_steps(trainer: Any, updates_per_rollout: int) -> int | None:
+    """Optimizer steps the run will take: `max_steps`, else `max_epochs` x rollouts per epoch x updates per
+    rollout; None when neither bounds the run (an endless epoch, or no max_epochs)."""
+    if trainer.max_steps > 0:
+        return int(trainer.max_steps)
+    rollouts = trainer.estimated_stepping_batches  # max_epochs x batches per epoch when max_steps is unset
+    return None if math.isinf(rollouts) else int(rollouts) * updates_per_rollout
+
+
+class ManualOptimization(L.LightningModule):
+    """Optimizer and scheduler handling for a module with `algorithm` and `state` (a `TrainingState`), and the
+    hyperparameters lr, betas, weight_decay, lr_schedule, warmup_steps and max_consecutive_skips."""
+
+    algorithm: AlgorithmConfig
+    state: TrainingState
+    step_metrics: dict[str, float]  # the last training step's own metrics
+    scheduler_monitors: Sequence[str | None] = ()  # per `trainer.lr_scheduler_configs` entry, set at fit start
+
+    def trainable_parameters(self) -> Iterable[nn.Parameter]:
+        """The parameters that train: every one with requires_grad (frozen models have none)."""
+        return (p for p in self.parameters() if p.requires_grad)
+
+    def setup(self, stage: str) -> None:
+        check_precision(str(self.trainer.precision))
+
+    def configure_callbacks(self) -> list[Any]:
+        """Refuse the Trainer's own clipping and accumulation (Lightning's checks run next, with advice that
+        does not apply here), naming this module's settings for the same thing."""
+        trainer = self.trainer
+        if trainer.gradient_clip_val:
+            raise ConfigError(
+                f"trainer.gradient_clip_val: {trainer.gradient_clip_val} is not used by the manual update loop, which "
+                "clips by norm itself; set model.algorithm.max_grad_norm instead (null: no clipping)"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches: {trainer.accumulate_grad_batches} is not used by the manual update "
+                "loop; for less memory per forward set model.algorithm.micro_batch_size (gradients accumulate over "
+                "a minibatch), for more rollout per optimizer step raise data.batch_size or lower num_minibatches"
+            )
+        return []
+
+    def configure_optimizers(self) -> Any:
+        """AdamW over the trainable parameters, with linear warm-up, then constant, linear or cosine decay to the
+        end of training (`max_steps`, or `max_epochs` with finite epochs)."""
+        hp = self.hparams
+        beta1, beta2 = hp["betas"]
+        optimizer = torch.optim.AdamW(
+            self.trainable_parameters(), hp["lr"], (beta1, beta2), weight_decay=hp["weight_decay"]
+        )
+        algo = self.algorithm
+        total = total_optimizer_steps(self.trainer, algo.ppo_epochs * algo.num_minibatches)
+        if total is None and hp["lr_schedule"] != "constant":
+            raise ConfigError(
+                f"model.lr_schedule: {hp['lr_schedule']!r} decays to the end of training, but the Trainer has no "
+                "end: set trainer.max_steps, or trainer.max_epochs with finite epochs (data.rollouts_per_epoch)"
+            )
+        schedule = warmup_then_decay(hp["lr_schedule"], hp["warmup_steps"], total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_fit_start(self) -> None:
+        if len(self.trainer.optimizers) != 1:
+            raise ConfigError(
+                f"configure_optimizers: returned {len(self.trainer.optimizers)} optimizers; the update loop steps "
+                "exactly one (put every parameter group in one optimizer)"
+            )
+        configs = self.trainer.lr_scheduler_configs
+        if any(isinstance(c.scheduler, ReduceLROnPlateau) for c in configs):
+            # Lightning drops 'monitor' from scheduler configs under manual optimisation: read the names from a
+            # second call of configure_optimizers (its fresh optimizer and schedulers are discarded)
+            self.scheduler_monitors = scheduler_monitors(self.configure_optimizers(), len(configs))
+        else:
+            self.scheduler_monitors = [None] * len(configs)
+        super().on_fit_start()
+
+    def clip_and_step(self, stats: dict[str, float]) -> float:
+        """Clip, step the optimizer and the step-interval schedulers, zero the gradients; returns the pre-clip
+        gradient norm.
+
+        A non-finite loss or gradient norm skips the step (weights unchanged, counted); after
+        `max_consecutive_skips` skips in a row training stops with an error naming what went non-finite.
+        """
+        optimizer = single_optimizer(self.optimizers())
+        norm = gradient_norm(self.trainable_parameters())
+        bad = non_finite(stats, norm)
+        if bad:
+            optimizer.zero_grad(set_to_none=True)
+            self.state.skip_update(bad, self.hparams["max_consecutive_skips"], self.global_step)
+            return norm
+        self.state.consecutive_skips = 0
+        if self.algorithm.max_grad_norm is not None:
+            self.clip_gradients(optimizer.optimizer, self.algorithm.max_grad_norm, "norm")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.state.policy_version += 1
+        self.step_schedulers("step", self.state.policy_version, plateau=False)
+        return norm
+
+    def on_train_epoch_end(self) -> None:
+        self.step_schedulers("epoch", self.current_epoch + 1, plateau=False)
+        self.step_schedulers("epoch", self.current_epoch + 1, plateau=True)
+
+    def step_schedulers(self, interval: str, count: int, plateau: bool) -> None:
+        """Step the schedulers of this `interval` whose `frequency` divides `count` (optimizer steps, rollouts or
+        epochs): the `ReduceLROnPlateau` ones (`plateau`) with the value of their monitored metric, which a
+        step-interval one gets after each rollout's metrics exist (`count`: rollouts), or the others."""
+        for config, monitor in zip(self.trainer.lr_scheduler_configs, self.scheduler_monitors, strict=True):
+            scheduler = config.scheduler
+            if config.interval != interval or isinstance(scheduler, ReduceLROnPlateau) != plateau:
+                continue
+            if count % config.frequency:
+                continue
+            if isinstance(scheduler, ReduceLROnPlateau):
+                scheduler.step(self.monitored_value(monitor, f"{interval} {count}"))
+            else:
+                scheduler.step()
+
+    def monitored_value(self, monitor: str | None, when: str) -> float:
+        """The monitored metric: this step's own value, else what Lightning last logged (validation metrics)."""
+        value = self.step_metrics.get(monitor or "", self.trainer.callback_metrics.get(monitor or ""))
+        if value is None:
+            logged = sorted({*self.step_metrics, *self.trainer.callback_metrics})
+            raise ConfigError(
+                f"lr_scheduler monitor: {monitor!r} has no value at {when}; logged so far: {logged}. Name one of "
+                "them in the scheduler config's 'monitor' (a validation metric needs interval 'epoch')"
+            )
+        return float(value)
+
+
+def scheduler_monitors(optimizer_config: Any, count: int) -> list[str | None]:
+    """The 'monitor' of each scheduler in a `configure_optimizers` return value, in Lightning's order."""
+    items = optimizer_config if isinstance(optimizer_config, (list, tuple)) else [optimizer_config]
+    monitors: list[str | None] = []
+    for item in items:
+        if isinstance(item, dict) and "lr_scheduler" in item:
+            scheduler = item["lr_scheduler"]
+            monitors.append(scheduler.get("monitor") if isinstance(scheduler, dict) else item.get("monitor"))
+    if len(monitors) != count:
+        raise ConfigError(
+            "configure_optimizers: with a ReduceLROnPlateau, return {'optimizer': ..., 'lr_scheduler': {'scheduler':"
+            " ..., 'monitor': '<metric>', 'interval': 'step' or 'epoch'}}"
+        )
+    return monitors

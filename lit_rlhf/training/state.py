@@ -13,6 +13,10 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Timer
+from torch import nn
+
+from lit_rlhf.models.build import ModelSpecs
 
 CHECKPOINT_KEY = "lit_rlhf"
 
@@ -86,9 +90,11 @@ def save_training_state(
     rebuilt_prefixes: tuple[str, ...],
     strategy: Any | None,
     world_size: int,
+    portable_specs: dict[str, Any] | None = None,
 ) -> None:
     """Into a Lightning checkpoint: the training state, without the weights under `rebuilt_prefixes` (frozen
-    models reloaded from their source), and dataclass settings as plain dicts (weights-only loadable)."""
+    models reloaded from their source), dataclass settings as plain dicts (weights-only loadable), and the
+    `portable_specs` of models given as instances in place of their hyperparameter (None)."""
     state_dict = checkpoint["state_dict"]
     for key in [k for k in state_dict if k.startswith(rebuilt_prefixes)]:
         del state_dict[key]
@@ -102,6 +108,7 @@ def save_training_state(
             k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
             for k, v in hparams.items()
         }
+        checkpoint["hyper_parameters"].update(portable_specs or {})
 
 
 def load_training_state(
@@ -132,25 +139,32 @@ def attached_trainer(module: Any) -> Any | None:
 
 
 class ExactResume(L.LightningModule):
-    """A LightningModule whose checkpoints resume exactly: its `state` (a `TrainingState`) and every rank's RNG
-    are saved and restored; `rebuilt_prefixes()` names frozen weights the checkpoints leave out."""
+    """A LightningModule whose checkpoints resume exactly and rebuild without arguments: its `state` (a
+    `TrainingState`) and every rank's RNG are saved and restored; frozen models named by a folder or hub id are
+    left out (reloaded from source), models given as instances are described by portable specs; a resumed run
+    gets the whole `max_time` again."""
 
     state: TrainingState
+    specs: ModelSpecs
+    reference: nn.Module | None
+    reward_model: nn.Module | None
 
     def rebuilt_prefixes(self) -> tuple[str, ...]:
-        raise NotImplementedError
+        """Frozen models reloaded from their source, left out of checkpoints."""
+        return self.specs.rebuildable_prefixes(self.reference is not None, self.reward_model is not None)
 
     def on_fit_start(self) -> None:
         """Every rank was seeded alike (same initial weights); give each rank its own sampling stream, so the
         ranks do not draw the same noise for their different prompts. A resume restores each rank's own stream."""
         if self.trainer.world_size > 1 and not self.state.rng_restored_per_rank:
             torch.manual_seed((torch.initial_seed() + self.trainer.global_rank) % 2**63)
+        super().on_fit_start()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Drop rebuildable frozen weights; keep counters and RNG states for an exact resume."""
         world = self.trainer.world_size
         strategy = self.trainer.strategy if world > 1 else None
-        save_training_state(checkpoint, self.state, self.rebuilt_prefixes(), strategy, world)
+        save_training_state(checkpoint, self.state, self.rebuilt_prefixes(), strategy, world, self.specs.portable())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Put back the frozen weights rebuilt from source, and the counters and RNG states."""
@@ -158,3 +172,11 @@ class ExactResume(L.LightningModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         device = trainer.strategy.root_device if trainer is not None else self.device  # the module is not moved yet
         load_training_state(checkpoint, self.state, self.state_dict(), rank, world, device)
+
+    def on_train_start(self) -> None:
+        """`Trainer(max_time=...)` limits this process: a checkpoint restores the elapsed time of the run it came
+        from, which would end a resumed run at once."""
+        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, Timer):
+                callback.load_state_dict({"time_elapsed": {stage: 0.0 for stage in ("train", "validate", "test")}})
+        super().on_train_start()

@@ -329,8 +329,12 @@ def collect_experience(
     prompts, actor_critic, reference, reward_model, composer, tokenizer, algo, sampling, policy_version=0
 ):
     """Phases 2 and 3 of a training step outside a Trainer: rollout, then a no-grad evaluation."""
+    def score(texts, responses, meta, generation):
+        ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
+        return composer(texts, responses, meta, reward_model, ids, mask, last)
+
     rollout, timings = collect_rollout(
-        prompts, actor_critic.policy, tokenizer, composer, reward_model, algo, sampling, policy_version
+        prompts, actor_critic.policy, tokenizer, score, algo.group_size, sampling, algo.truncated_score, policy_version
     )
     ref_logits = reference_logits(reference, rollout) if reference is not None else None
     sampling_policy = policy_forward(actor_critic, rollout, sampling.temperature)

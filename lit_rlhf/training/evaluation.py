@@ -1,0 +1,136 @@
+"""Held-out evaluation and generation through Lightning's own loops: `validation_step`, `test_step`,
+`predict_step`, and `generate` for scripts and notebooks.
+
+Held-out prompts are answered with `val_sampling` (greedy by default), `val_samples_per_prompt` responses
+each, and scored by the training reward (`compute_scores`) and by metric functions that never train (same
+contract as reward functions, e.g. exact-match accuracy). Each value is accumulated as a sum and a count
+(`torchmetrics.MeanMetric`), so the logged mean over several processes is exact even when their shares of
+the prompts differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lit_rlhf.config import ConfigError, SamplingConfig
+from lit_rlhf.rewards.functions import RewardFn, call_reward_fn, callable_name
+from lit_rlhf.rollout.collect import collect_rollout
+from lit_rlhf.rollout.generation import Generation
+from lit_rlhf.training import metrics as logs
+from lit_rlhf.types import PromptBatch, Rollout
+
+
+class HeldOutEvaluation(L.LightningModule):
+    """Validation, test and prediction for a module with `actor_critic`, `tokenizer` and `compute_scores`."""
+
+    actor_critic: Any
+    tokenizer: Any
+
+    def compute_scores(
+        self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation
+    ) -> Tensor:
+        raise NotImplementedError
+
+    def setup_evaluation(
+        self, metric_fns: Sequence[RewardFn], val_sampling: SamplingConfig, samples_per_prompt: int
+    ) -> None:
+        """The metric functions by name, the sampling settings, and one exact mean accumulator per value."""
+        if samples_per_prompt < 1:
+            raise ConfigError(f"model.val_samples_per_prompt: must be >= 1, got {samples_per_prompt}")
+        self.metric_fns = {callable_name(fn): fn for fn in metric_fns}
+        if len(self.metric_fns) != len(metric_fns):
+            raise ConfigError(
+                f"model.metric_fns: two metric functions share a name: {list(map(callable_name, metric_fns))}"
+            )
+        self.val_sampling, self.val_samples_per_prompt = val_sampling, samples_per_prompt
+        keys = ["reward_mean", "response_len_mean", "frac_truncated", *self.metric_fns]
+        if samples_per_prompt > 1:
+            keys += [f"{name}_pass@{samples_per_prompt}" for name in self.metric_fns]
+        self.eval_means = nn.ModuleDict({key: MeanMetric() for key in keys})
+
+    def answer(self, prompts: PromptBatch) -> Rollout:
+        """`val_samples_per_prompt` responses to each prompt with `val_sampling`, scored: a `Rollout`."""
+        was_training = self.actor_critic.training
+        self.actor_critic.eval()
+        try:
+            rollout, _ = collect_rollout(
+                prompts,
+                self.actor_critic.policy,
+                self.tokenizer,
+                self.compute_scores,
+                self.val_samples_per_prompt,
+                self.val_sampling,
+            )
+        finally:
+            self.actor_critic.train(was_training)
+        return rollout
+
+    def evaluation_values(self, rollout: Rollout) -> dict[str, Tensor]:
+        """Per-response (B,) values, and per-prompt (B0,) best-of-n values of each metric function."""
+        values = {
+            "reward_mean": rollout.scores.float().cpu(),
+            "response_len_mean": rollout.response_mask.sum(1).float().cpu(),
+            "frac_truncated": rollout.truncated.float().cpu(),
+        }
+        n = self.val_samples_per_prompt
+        for name, fn in self.metric_fns.items():
+            values[name] = call_reward_fn(fn, rollout.prompts, rollout.responses, rollout.meta)
+            if n > 1:
+                values[f"{name}_pass@{n}"] = values[name].view(-1, n).max(dim=1).values
+        return values
+
+    def evaluation_step(self, prompts: PromptBatch, batch_idx: int, stage: str) -> None:
+        rollout = self.answer(prompts)
+        for key, value in self.evaluation_values(rollout).items():
+            mean = self.eval_means[key]
+            assert isinstance(mean, MeanMetric)
+            mean.update(value)
+            self.log(f"{stage}/{key}", mean, on_step=False, on_epoch=True, batch_size=value.numel())
+        if batch_idx == 0 and self.global_rank == 0:
+            rows = logs.sample_rows(
+                rollout.prompts, rollout.responses, rollout.scores.tolist(), self.val_samples_per_prompt
+            )
+            logs.write_samples(self.loggers, rows, self.global_step, tag=f"{stage}_samples")
+
+    def validation_step(self, prompts: PromptBatch, batch_idx: int) -> None:
+        self.evaluation_step(prompts, batch_idx, "val")
+
+    def test_step(self, prompts: PromptBatch, batch_idx: int) -> None:
+        self.evaluation_step(prompts, batch_idx, "test")
+
+    def predict_step(self, prompts: PromptBatch, batch_idx: int) -> list[dict[str, Any]]:
+        """One row {"prompt", "response", "score"} per response (`trainer.predict` returns them per batch)."""
+        rollout = self.answer(prompts)
+        scores = rollout.scores.tolist()
+        return [
+            {"prompt": p, "response": r, "score": s}
+            for p, r, s in zip(rollout.prompts, rollout.responses, scores, strict=True)
+        ]
+
+    @torch.no_grad()
+    def generate(self, prompts: str | Sequence[str], sampling: SamplingConfig | None = None, n: int = 1) -> list[str]:
+        """`n` responses to each prompt text (greedy `val_sampling` unless `sampling` is given), in order.
+
+        Prompts are used as given (apply a chat template yourself); they are tokenised without truncation.
+        """
+        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
+        batch = PromptBatch(encoded["input_ids"], encoded["attention_mask"], texts)
+        settings = sampling if sampling is not None else self.val_sampling
+        was_training = self.actor_critic.training
+        self.actor_critic.eval()
+        try:
+            rollout, _ = collect_rollout(batch, self.actor_critic.policy, self.tokenizer, _no_score, n, settings)
+        finally:
+            self.actor_critic.train(was_training)
+        return rollout.responses
+
+
+def _no_score(prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation) -> Tensor:
+    return torch.zeros(len(responses))
