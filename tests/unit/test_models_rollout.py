@@ -329,6 +329,7 @@ def collect_experience(
     prompts, actor_critic, reference, reward_model, composer, tokenizer, algo, sampling, policy_version=0
 ):
     """Phases 2 and 3 of a training step outside a Trainer: rollout, then a no-grad evaluation."""
+
     def score(texts, responses, meta, generation):
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
         return composer(texts, responses, meta, reward_model, ids, mask, last)
