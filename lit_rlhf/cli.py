@@ -8,8 +8,11 @@ lit-rlhf-export --ckpt runs/grpo/checkpoints/last.ckpt --out runs/grpo/policy   
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,23 +26,38 @@ from lit_rlhf.training.checkpoint_io import CheckpointError, load_checkpoint_fil
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.state import CHECKPOINT_KEY
 
+# A Lightning notice that does not apply to these runs, silenced only while a command of this file runs:
+# ModelCheckpoint under manual optimisation suggests saving the weights from before the optimizer step, but the
+# state after a complete RL step is the one to resume from.
+QUIET = (r"Using ModelCheckpoint with manual optimization",)
+
 
 def main(args: list[str] | None = None) -> LightningCLI:
     """PPO/GRPO training; `args` replaces sys.argv[1:] (for tests and notebooks)."""
-    return LightningCLI(
-        RLHFModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, seed_everything_default=0, args=args
-    )
+    with quiet_known_notices():
+        return LightningCLI(
+            RLHFModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, seed_everything_default=0, args=args
+        )
 
 
 def reward_main(args: list[str] | None = None) -> LightningCLI:
     """Reward-model training; `args` replaces sys.argv[1:]."""
-    return LightningCLI(
-        RewardModelModule,
-        PreferenceDataModule,
-        save_config_kwargs={"overwrite": True},
-        seed_everything_default=0,
-        args=args,
-    )
+    with quiet_known_notices():
+        return LightningCLI(
+            RewardModelModule,
+            PreferenceDataModule,
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+            args=args,
+        )
+
+
+@contextlib.contextmanager
+def quiet_known_notices() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for pattern in QUIET:
+            warnings.filterwarnings("ignore", message=pattern)
+        yield
 
 
 def checkpoint_names_policy(path: str) -> bool:
