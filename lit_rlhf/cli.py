@@ -32,10 +32,47 @@ from lit_rlhf.training.state import CHECKPOINT_KEY
 QUIET = (r"Using ModelCheckpoint with manual optimization",)
 
 
+class ResumingCLI(LightningCLI):
+    """LightningCLI whose `fit --ckpt_path` run logs into the TensorBoard/CSV logger version of the run it resumes
+    (read from the checkpoint), so one run's curves stay in one folder."""
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand != "fit":
+            return
+        config = self.config[self.subcommand]
+        logger: Any = config.trainer.get("logger")
+        logger_class = str(getattr(logger, "class_path", "")).rsplit(".", 1)[-1]
+        if not config.get("ckpt_path") or logger_class not in ("TensorBoardLogger", "CSVLogger"):
+            return
+        path = resolve_checkpoint(config.ckpt_path, config.trainer.get("callbacks") or [])
+        version = saved_logger_version(path) if path else None
+        if version is not None and logger.init_args.get("version") is None:
+            logger.init_args.version = version
+
+
+def resolve_checkpoint(ckpt_path: str, callbacks: list[Any]) -> str | None:
+    """The file `--ckpt_path` names: a path, or for 'last' the newest last.ckpt of the configured ModelCheckpoints."""
+    if ckpt_path != "last":
+        return ckpt_path if os.path.isfile(ckpt_path) else None
+    folders = [getattr(c, "init_args", {}).get("dirpath") for c in callbacks if "ModelCheckpoint" in str(c.class_path)]
+    found = [f for d in folders if d and os.path.isfile(f := os.path.join(d, "last.ckpt"))]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def saved_logger_version(path: str) -> int | str | None:
+    """The logger version a checkpoint of this package was written under (None if it does not say)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # the fit itself reports an unreadable checkpoint, naming it
+        return None
+    version = checkpoint.get(CHECKPOINT_KEY, {}).get("logger_version") if isinstance(checkpoint, dict) else None
+    return version if isinstance(version, (int, str)) else None
+
+
 def main(args: list[str] | None = None) -> LightningCLI:
     """PPO/GRPO training; `args` replaces sys.argv[1:] (for tests and notebooks)."""
     with quiet_known_notices():
-        return LightningCLI(
+        return ResumingCLI(
             RLHFModule, RolloutDataModule, save_config_kwargs={"overwrite": True}, seed_everything_default=0, args=args
         )
 
@@ -98,6 +135,9 @@ def export_checkpoint(
     """
     named = checkpoint_names_policy(ckpt_path)
     overrides: dict[str, Any] = {k: v for k, v in (("policy", policy), ("tokenizer", tokenizer)) if v is not None}
+    # exporting scores nothing: the training's reward and metric functions (perhaps defined in a script that is
+    # not importable here) are not needed
+    overrides.update(reward_fns=[_no_scoring_in_export], reward_weights=None, metric_fns=None)
     try:
         module = RLHFModule.load_from_checkpoint(ckpt_path, map_location="cpu", **overrides)
     except Exception as err:
@@ -113,6 +153,10 @@ def export_checkpoint(
         ) from err
     module.configure_model()
     return save_module_policy(module, out, merge_lora, overwrite)
+
+
+def _no_scoring_in_export(prompts: list[str], responses: list[str], **meta: Any) -> list[float]:
+    raise RuntimeError("lit-rlhf-export rebuilt this module to export its policy only; it scores nothing")
 
 
 def export_main(argv: list[str] | None = None) -> None:

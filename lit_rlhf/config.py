@@ -227,7 +227,7 @@ class SamplingConfig:
     """False: greedy decoding (the most likely token each step; temperature, top-k and top-p do not apply).
     Training rollouts must sample; greedy is for evaluation (`RLHFModule(val_sampling=...)`)."""
     backend: SamplingBackend = "lean"
-    """'lean' (`lit_rlhf.sampling`: a minimal KV-cache loop, faster than generate for the same draws) or
+    """'lean' (`lit_rlhf.rollout.sampler`: a minimal KV-cache loop, faster than generate for the same draws) or
     'generate' (Hugging Face generate). Both sample the same distribution (same tokens for the same seed)."""
 
     def __post_init__(self) -> None:

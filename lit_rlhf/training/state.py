@@ -165,6 +165,8 @@ class ExactResume(L.LightningModule):
         world = self.trainer.world_size
         strategy = self.trainer.strategy if world > 1 else None
         save_training_state(checkpoint, self.state, self.rebuilt_prefixes(), strategy, world, self.specs.portable())
+        # the version a resumed command-line run logs into again (lit_rlhf.cli.ResumingCLI)
+        checkpoint[CHECKPOINT_KEY]["logger_version"] = getattr(self.logger, "version", None)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Put back the frozen weights rebuilt from source, and the counters and RNG states."""
@@ -172,11 +174,8 @@ class ExactResume(L.LightningModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         device = trainer.strategy.root_device if trainer is not None else self.device  # the module is not moved yet
         load_training_state(checkpoint, self.state, self.state_dict(), rank, world, device)
-
-    def on_train_start(self) -> None:
-        """`Trainer(max_time=...)` limits this process: a checkpoint restores the elapsed time of the run it came
-        from, which would end a resumed run at once."""
-        for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, Timer):
-                callback.load_state_dict({"time_elapsed": {stage: 0.0 for stage in ("train", "validate", "test")}})
-        super().on_train_start()
+        # `Trainer(max_time=...)` limits each process: forget the elapsed time the Timer callback saved (this hook
+        # runs before callbacks restore their state from the same dictionary)
+        for key, callback_state in checkpoint.get("callbacks", {}).items():
+            if key.startswith(Timer.__qualname__) and "time_elapsed" in callback_state:
+                callback_state["time_elapsed"] = dict.fromkeys(callback_state["time_elapsed"], 0.0)

@@ -30,6 +30,13 @@ from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO  # noqa: E402
 from lit_rlhf.training.metrics import rollout_metrics  # noqa: E402
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
+# held-out prompts that split unevenly over 2 ranks: 3 and 2
+VAL_PROMPTS = ["312>", "9051>", "77>", "4820>", "16>"]
+
+
+def digits_in_prompt(prompts, responses, **meta):
+    """A held-out metric that differs between prompts whatever the policy answers: the prompt's digit count."""
+    return [float(len(p) - 1) for p in prompts]
 
 
 class Recorder(RLHFModule):
@@ -94,6 +101,7 @@ def fit(name: str, args: argparse.Namespace, run: str) -> None:
     module = Recorder(
         policy="builtin:digits",
         reward_fns=[REWARD],
+        metric_fns=[digits_in_prompt],
         algorithm=algorithm,
         sampling=SamplingConfig(max_new_tokens=args.max_new_tokens),
         lr=1e-2,
@@ -131,6 +139,14 @@ def fit(name: str, args: argparse.Namespace, run: str) -> None:
         "steps": log.steps,
         "global_step": trainer.global_step,
     }
+    if run == "full":  # held-out evaluation over uneven shards: the rank's own answers, and the reduced metric
+        val = RolloutDataModule(
+            prompts="builtin:digits", val_prompts=VAL_PROMPTS, val_batch_size=2, max_prompt_length=16
+        )
+        (validated,) = trainer.validate(module, datamodule=val, verbose=False)
+        prompts = [text for batch in val.val_dataloader() for text in batch.texts]
+        scores = digits_in_prompt(prompts, module.generate(prompts))
+        record["val"] = {"metric": validated["val/digits_in_prompt"], "prompts": prompts, "scores": scores}
     with open(os.path.join(args.out, f"{name}_{run}_rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(record, handle)
 

@@ -140,3 +140,16 @@ def test_ddp_resume_from_the_midway_checkpoint_is_exact_on_every_rank(ddp_record
             }
         # the ranks sampled with different random streams, so restoring only rank 0's would not be exact
         assert [r["prompts"] for r in resumed["rollouts"]] == [r["prompts"] for r in full["rollouts"][half:]]
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_validation_means_are_exact_over_uneven_shards(ddp_records, name):
+    """5 held-out prompts on 2 ranks (3 and 2, none dropped or repeated): the logged mean is the mean over all 5
+    answers (sums and counts reduced), not the mean of the two ranks' means."""
+    first, second = ddp_records[name, "full", 0]["val"], ddp_records[name, "full", 1]["val"]
+    assert (len(first["prompts"]), len(second["prompts"])) == (3, 2)
+    assert sorted(first["prompts"] + second["prompts"]) == sorted(["312>", "9051>", "77>", "4820>", "16>"])
+    exact = (sum(first["scores"]) + sum(second["scores"])) / 5
+    mean_of_means = (sum(first["scores"]) / 3 + sum(second["scores"]) / 2) / 2
+    assert first["metric"] == pytest.approx(exact, abs=1e-6) and second["metric"] == pytest.approx(exact, abs=1e-6)
+    assert abs(exact - mean_of_means) > 1e-3  # the two reductions differ here, so the check above can tell

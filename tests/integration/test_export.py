@@ -396,3 +396,30 @@ def test_cli_rebuilds_an_instance_built_policy_from_policy_argument(tmp_path):
     out = tmp_path / "export"
     export_main(["--ckpt", str(ckpt), "--out", str(out), "--policy", str(same_architecture)])
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out), module.tokenizer), expected)
+
+
+def test_cli_exports_a_checkpoint_whose_reward_functions_cannot_be_imported(tmp_path):
+    """Reward and metric functions defined in a script (here: inside this test) are not importable when the
+    checkpoint is read elsewhere; exporting needs neither, so it still works."""
+
+    def local_reward(prompts, responses, **meta):
+        return [float(len(r)) for r in responses]
+
+    module = RLHFModule(
+        policy="builtin:digits",
+        reward_fns=[local_reward],
+        metric_fns=[local_reward],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=4),
+    )
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0)
+    make_trainer(max_steps=1, callbacks=[checkpoint], enable_checkpointing=True).fit(
+        module, RolloutDataModule(batch_size=2, max_prompt_length=16)
+    )
+    with pytest.raises(ConfigError, match="local_reward"):  # rebuilding the whole module needs the function
+        RLHFModule.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    export_main(["--ckpt", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "policy")])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, module.actor_critic.policy(ids).logits)

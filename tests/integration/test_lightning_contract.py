@@ -416,3 +416,25 @@ def test_generate_and_predict_answer_greedily(tokenizer):
     loader = DataLoader([prompt_batch(tokenizer, texts)], batch_size=None)
     rows = make_trainer(max_steps=1).predict(module, dataloaders=loader)
     assert [row["response"] for batch_rows in rows for row in batch_rows] == expected
+
+
+def test_a_checkpoint_monitoring_the_reward_saves_in_a_run_shorter_than_log_every_n_steps(tmp_path):
+    """The progress-bar reward reaches Lightning every step, so a monitored checkpoint sees it at the end of the
+    epoch even when no metrics were written yet (log_every_n_steps=50 > the 3 rollouts of this run)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = RLHFModule(
+        policy="builtin:digits",
+        reward_fns=[REWARD],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=4),
+        lr=1e-3,
+    )
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="reward", mode="max", save_top_k=1)
+    trainer = make_trainer(
+        max_steps=-1, max_epochs=1, log_every_n_steps=50, callbacks=[best], enable_checkpointing=True
+    )
+    trainer.fit(module, RolloutDataModule(batch_size=4, max_prompt_length=16, rollouts_per_epoch=3))
+    assert trainer.global_step == 3
+    assert best.best_model_path and (tmp_path / best.best_model_path.split("/")[-1]).is_file()
+    assert float(best.best_model_score) == pytest.approx(module.step_metrics["rollout/reward_mean"])

@@ -352,3 +352,60 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_loadable(
     assert Path(trainer.ckpt_path) == ckpt_dir / "last.ckpt"
     assert trainer.global_step == 3 and module.state.policy_version == 3
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 3
+
+
+def test_a_resumed_command_line_run_logs_into_the_version_of_the_run_it_resumes(tmp_path, monkeypatch):
+    """`fit --ckpt_path last` twice with the config's TensorBoard logger: one version folder holds both runs'
+    metrics, instead of a new folder splitting the curves. debug.yaml takes 4 optimizer steps per rollout, so
+    each run is one rollout, logged at Lightning's batch step: 0, then 1 in the resumed run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lit_rlhf.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    common = ["fit", "--config", str(ROOT / "configs" / "debug.yaml"), "--ckpt_path", "last"]
+    common += ["--trainer.enable_progress_bar", "false", "--model.log_samples_every_n_steps", "0"]
+    with pytest.warns(UserWarning, match="no last checkpoint"):
+        main([*common, "--trainer.max_steps", "4"])
+    main([*common, "--trainer.max_steps", "8"])
+    versions = sorted(p.name for p in (tmp_path / "runs" / "debug").iterdir() if p.name.startswith("version_"))
+    assert versions == ["version_0"]
+    steps = set()
+    for events in (tmp_path / "runs" / "debug" / "version_0").glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        steps |= {event.step for event in accumulator.Scalars("rollout/reward_mean")}
+    assert steps == {0, 1}
+
+
+def test_a_resumed_run_gets_its_whole_max_time(tmp_path):
+    """A checkpoint restores the Timer's elapsed time; the resumed process still gets all of `max_time` (here a
+    checkpoint that says 61 of 60 minutes were used would otherwise stop the resumed run at once)."""
+
+    def fit(max_steps: int, ckpt_path: str | None = None) -> L.Trainer:
+        L.seed_everything(0, verbose=False)
+        module = RLHFModule(
+            policy="builtin:digits",
+            reward_fns=[REWARD],
+            algorithm=AlgorithmConfig(name="grpo", group_size=2),
+            sampling=SamplingConfig(max_new_tokens=4),
+        )
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            max_time={"minutes": 60},
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
+        )
+        trainer.fit(module, RolloutDataModule(batch_size=4, max_prompt_length=16), ckpt_path=ckpt_path)
+        return trainer
+
+    assert fit(2).global_step == 2
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    (timer_key,) = [key for key in checkpoint["callbacks"] if key.startswith("Timer")]
+    assert checkpoint["callbacks"][timer_key]["time_elapsed"]["train"] < 60
+    checkpoint["callbacks"][timer_key]["time_elapsed"]["train"] = 61 * 60.0
+    torch.save(checkpoint, tmp_path / "out_of_time.ckpt")
+    assert fit(4, str(tmp_path / "out_of_time.ckpt")).global_step == 4
