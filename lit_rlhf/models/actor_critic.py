@@ -4,7 +4,9 @@ evaluation and the reference share: logits (and hidden states) on the (B, T) res
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -92,3 +94,14 @@ class ActorCritic(nn.Module):
                 raise RuntimeError("ActorCritic: the value head needs the last hidden state; the forward gave none")
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         return logits, values
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """`module` in eval mode for the block (sampling must not see training-only behaviour), then as it was."""
+    was_training = module.training
+    module.eval()
+    try:
+        yield module
+    finally:
+        module.train(was_training)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lit_rlhf.config import ConfigError, SamplingConfig
+from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.rewards.functions import RewardFn, call_reward_fn, callable_name
 from lit_rlhf.rollout.collect import collect_rollout
 from lit_rlhf.rollout.generation import Generation
@@ -56,9 +57,7 @@ class HeldOutEvaluation(L.LightningModule):
 
     def answer(self, prompts: PromptBatch) -> Rollout:
         """`val_samples_per_prompt` responses to each prompt with `val_sampling`, scored: a `Rollout`."""
-        was_training = self.actor_critic.training
-        self.actor_critic.eval()
-        try:
+        with eval_mode(self.actor_critic):
             rollout, _ = collect_rollout(
                 prompts,
                 self.actor_critic.policy,
@@ -67,8 +66,6 @@ class HeldOutEvaluation(L.LightningModule):
                 self.val_samples_per_prompt,
                 self.val_sampling,
             )
-        finally:
-            self.actor_critic.train(was_training)
         return rollout
 
     def evaluation_values(self, rollout: Rollout) -> dict[str, Tensor]:
@@ -123,12 +120,8 @@ class HeldOutEvaluation(L.LightningModule):
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = PromptBatch(encoded["input_ids"], encoded["attention_mask"], texts)
         settings = sampling if sampling is not None else self.val_sampling
-        was_training = self.actor_critic.training
-        self.actor_critic.eval()
-        try:
+        with eval_mode(self.actor_critic):
             rollout, _ = collect_rollout(batch, self.actor_critic.policy, self.tokenizer, _no_score, n, settings)
-        finally:
-            self.actor_critic.train(was_training)
         return rollout.responses
 
 

@@ -22,6 +22,7 @@ from lit_rlhf.algorithms.experience import (
 )
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, LRSchedule, SamplingConfig, check_module_settings
+from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
@@ -175,10 +176,8 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
 
     def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout, Any]:
         """Phase 2: generate and score with the current policy (in eval mode)."""
-        was_training = self.actor_critic.training
-        self.actor_critic.eval()
-        try:
-            algo, version = self.algorithm, self.state.policy_version
+        algo, version = self.algorithm, self.state.policy_version
+        with eval_mode(self.actor_critic):
             return collect_rollout(
                 prompts,
                 self.actor_critic.policy,
@@ -189,8 +188,6 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
                 algo.truncated_score,
                 version,
             )
-        finally:
-            self.actor_critic.train(was_training)
 
     def compute_scores(
         self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation
@@ -200,7 +197,9 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
         return self.reward(prompts, responses, meta, self.reward_model, ids, mask, last)
 
-    def compute_advantages(self, rollout: Rollout, kl: Tensor | None, values: Tensor | None) -> tuple[Tensor, Any]:
+    def compute_advantages(
+        self, rollout: Rollout, kl: Tensor | None, values: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
         """Hook: advantages (B, T) and returns (B, T) or None from the rollout's scores, the per-token KL to the
         reference and the critic's values (either None when absent). Default: `algorithm`'s estimator."""
         return compute_advantages(self.algorithm, rollout.scores, kl, values, rollout.response_mask)

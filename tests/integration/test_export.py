@@ -194,6 +194,7 @@ def test_the_tokenizer_passed_in_is_not_mutated(tmp_path, tokenizer):
 
 
 def test_lora_merged_export_equals_the_live_policy_which_keeps_its_adapters(tmp_path):
+    pytest.importorskip("peft")
     module = lora_module()
     policy, tokenizer = module.actor_critic.policy, module.tokenizer
     live_before, weights_before = logits(policy, tokenizer), checksum(policy)
@@ -215,6 +216,7 @@ def test_lora_merged_export_equals_the_live_policy_which_keeps_its_adapters(tmp_
 
 
 def test_lora_adapter_export_round_trips_with_peft(tmp_path):
+    pytest.importorskip("peft")
     from peft import AutoPeftModelForCausalLM, PeftModel
 
     base_dir = tmp_path / "base"  # a base model peft can find again by its folder name
@@ -307,6 +309,8 @@ def fit_with_checkpoint(module: RLHFModule, ckpt_dir: Path) -> Path:
 
 @pytest.mark.parametrize("lora", [None, {"r": 4}])
 def test_cli_exports_a_checkpoint_with_the_modules_logits(tmp_path, capsys, lora):
+    if lora:
+        pytest.importorskip("peft")
     module = grpo_module("builtin:digits", lora=lora)
     ckpt = fit_with_checkpoint(module, tmp_path / "ckpt")
     policy, tokenizer = module.actor_critic.policy, module.tokenizer

@@ -91,7 +91,7 @@ def test_the_library_never_imports_task_code():
 
 def test_importing_the_package_installs_no_warning_filters():
     code = (
-        "import warnings, lightning, torch, transformers, peft\n"
+        "import warnings, lightning, torch, transformers\n"
         "before = list(warnings.filters)\n"
         "import lit_rlhf, lit_rlhf.cli, lit_rlhf.registry\n"
         "from lit_rlhf.registry import get_task\n"
