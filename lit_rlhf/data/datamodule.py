@@ -22,12 +22,14 @@ import lightning as L
 
 from lit_rlhf.config import ConfigError, check_choice
 from lit_rlhf.data.prompts import PromptTokenizer
-from lit_rlhf.data.sources import PromptStream, builtin_rows, prompt_rows, read_prompt_file
+from lit_rlhf.data.sources import PromptStream, builtin_rows, load_prompt_rows
 from lit_rlhf.models.loading import data_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
+from lit_rlhf.rewards.columns import check_columns
 from lit_rlhf.types import PromptBatch
 
 PromptTruncation = Literal["error", "left"]
+SpecialTokensInPrompts = Literal["error", "text", "parse"]
 
 BUILTIN_ROLLOUTS_PER_EPOCH = 100
 """Batches per epoch over an endless `builtin:<task>` stream when `rollouts_per_epoch` is not given."""
@@ -35,6 +37,18 @@ BUILTIN_ROLLOUTS_PER_EPOCH = 100
 HELD_OUT_SEEDS = {"data.val_prompts": 1_000_001, "data.test_prompts": 1_000_002, "data.predict_prompts": 1_000_003}
 """Seeds of the `builtin:<task>` streams that held-out prompt sets are drawn from: fixed, not `data.seed`, so runs
 with different seeds are compared on the same prompts, and different from any training seed in the configs."""
+
+SPLIT_FIELDS = {
+    "data.prompts": "prompt_split",
+    "data.val_prompts": "val_split",
+    "data.test_prompts": "test_split",
+    "data.predict_prompts": "predict_split",
+}
+"""The setting that picks the split of a `datasets.DatasetDict` given as each prompt setting."""
+
+REFILL_SEED_OFFSET = 7_000_003
+"""Dynamic sampling's refill stream is the training prompts in a second order, drawn with `seed` + this (a
+different order for a shuffled set or a built-in task; the file order again for an unshuffled file)."""
 
 VAL_SPLIT_SALT = "lit_rlhf.val_split"
 """The split by a fraction `val_prompts` shuffles with random.Random(f"{VAL_SPLIT_SALT}:{seed}")."""
@@ -137,11 +151,18 @@ class RolloutDataModule(L.LightningDataModule):
     """Owns the prompts: sources, tokenisation, per-rank sharding, epochs, held-out sets, a resumable position.
 
     Args:
-        prompts: 'builtin:digits', a .jsonl/.txt file, or (from Python) a list of strings or dicts.
+        prompts: 'builtin:digits', a .jsonl/.json/.txt file (format by suffix, any case), or (from Python) a list
+            of strings or dicts, or a `datasets` Dataset/DatasetDict. A row's prompt is a string or a list of
+            {'role', 'content'} messages (rendered by the tokenizer's chat template); see docs/data.md.
         batch_size: prompts per step and per process; each gets `group_size` responses.
         max_prompt_length: prompt token limit.
         prompt_truncation: 'error' (default) or 'left' (cut the start of long prompts, with a warning).
-        prompt_column: field of the prompt text in .jsonl rows; the other fields reach reward functions.
+        prompt_column: field of the prompt (a string or a message list) in rows; the other fields reach reward
+            and metric functions as keyword arguments.
+        messages_column: field of a chat prompt's message list in rows that have no `prompt_column`.
+        special_tokens_in_prompts: what a special token's spelling (e.g. '<|im_start|>') in a plain string prompt
+            means: 'error' (default: refuse, naming the row), 'text' (literal text), or 'parse' (the special token:
+            for prompts already rendered with a chat template). Message lists never need it.
         tokenizer: defaults to the module's tokenizer.
         seed: order of the prompts (and which rows a fractional `val_prompts` holds out).
         shuffle: reshuffle a finite prompt set each pass.
@@ -154,6 +175,8 @@ class RolloutDataModule(L.LightningDataModule):
         predict_prompts: for the predict loop, as `test_prompts`; None: the validation prompts.
         val_batch_size: prompts per held-out batch and process; None: `batch_size`.
         val_size: rows drawn from a `builtin:<task>` held-out set.
+        prompt_split, val_split, test_split, predict_split: the split read when `prompts`, `val_prompts`,
+            `test_prompts` or `predict_prompts` is a `datasets.DatasetDict` (None: refuse a DatasetDict).
     """
 
     # held-out prompts are sharded row by row, so a rank can have none when there are fewer rows than ranks
@@ -175,6 +198,12 @@ class RolloutDataModule(L.LightningDataModule):
         predict_prompts: str | list | None = None,
         val_batch_size: int | None = None,
         val_size: int = 64,
+        messages_column: str = "messages",
+        prompt_split: str | None = "train",
+        val_split: str | None = "validation",
+        test_split: str | None = "test",
+        predict_split: str | None = "test",
+        special_tokens_in_prompts: SpecialTokensInPrompts = "error",
     ):
         super().__init__()
         if batch_size < 1:
@@ -182,6 +211,7 @@ class RolloutDataModule(L.LightningDataModule):
         if max_prompt_length < 1:
             raise ConfigError(f"data.max_prompt_length: must be >= 1, got {max_prompt_length}")
         check_choice(prompt_truncation, PromptTruncation, "data.prompt_truncation")
+        check_choice(special_tokens_in_prompts, SpecialTokensInPrompts, "data.special_tokens_in_prompts")
         if rollouts_per_epoch is not None and rollouts_per_epoch < 1:
             raise ConfigError(
                 f"data.rollouts_per_epoch: must be >= 1, got {rollouts_per_epoch}; or null for one pass over a "
@@ -195,6 +225,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_prompt_length = max_prompt_length
         self.prompt_truncation = prompt_truncation
         self.prompt_column = prompt_column
+        self.messages_column = messages_column
+        self.special_tokens_in_prompts = special_tokens_in_prompts
+        self.splits = {"data.prompts": prompt_split, "data.val_prompts": val_split}
+        self.splits.update({"data.test_prompts": test_split, "data.predict_prompts": predict_split})
         self.tokenizer = tokenizer
         self.seed = seed
         self.shuffle = shuffle
@@ -207,6 +241,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.test_rows = self._load_held_out(test_prompts, "data.test_prompts", self.val_rows)
         self.predict_rows = self._load_held_out(predict_prompts, "data.predict_prompts", self.val_rows)
         self.stream: PromptStream | None = None
+        self.refill_stream: PromptStream | None = None  # dynamic sampling's extra prompts (`refill_batch`)
         self.prompt_tokenizer: PromptTokenizer | None = None
         self.rank, self.world_size = 0, 1
         self.rows_trained = 0  # rows of this rank that reached training_step
@@ -214,13 +249,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------------------------- sources
 
-    def _load_source(self, prompts: str | list) -> list[dict[str, Any]] | str:
-        if isinstance(prompts, str):
-            if is_builtin(prompts):
-                get_task(prompts, "data.prompts")  # validates the name
-                return prompts
-            return read_prompt_file(prompts, self.prompt_column)
-        return prompt_rows(list(prompts), self.prompt_column, "data.prompts")
+    def _rows(self, spec: Any, field: str) -> list[dict[str, Any]]:
+        """Checked rows of a file, a list or a `datasets` Dataset/DatasetDict given as setting `field`."""
+        split_field = f"data.{SPLIT_FIELDS[field]}"
+        return load_prompt_rows(spec, self.prompt_column, self.messages_column, field, self.splits[field], split_field)
+
+    def _load_source(self, prompts: Any) -> list[dict[str, Any]] | str:
+        if isinstance(prompts, str) and is_builtin(prompts):
+            get_task(prompts, "data.prompts")  # validates the name
+            return prompts
+        return self._rows(prompts, "data.prompts")
 
     def _load_held_out(
         self, spec: Any, field: str, default: list[dict[str, Any]] | None = None
@@ -228,17 +266,9 @@ class RolloutDataModule(L.LightningDataModule):
         """A held-out prompt set: rows from a file, a list or 'builtin:<task>' (`val_size` rows)."""
         if spec is None:
             return default
-        if isinstance(spec, str):
-            if is_builtin(spec):
-                return builtin_rows(spec, HELD_OUT_SEEDS[field], self.val_size, field)
-            return read_prompt_file(spec, self.prompt_column, field)
-        if isinstance(spec, (list, tuple)):
-            return prompt_rows(list(spec), self.prompt_column, field)
-        kind = "a fraction" if isinstance(spec, (int, float)) else f"a {type(spec).__name__}"
-        only_val = " (only data.val_prompts takes a fraction)" if isinstance(spec, (int, float)) else ""
-        raise ConfigError(
-            f"{field}: got {kind} ({spec!r}); give a .jsonl/.txt file, a list of prompts or builtin:<task>{only_val}"
-        )
+        if isinstance(spec, str) and is_builtin(spec):
+            return builtin_rows(spec, HELD_OUT_SEEDS[field], self.val_size, field)
+        return self._rows(spec, field)
 
     def _load_val(self, spec: Any) -> list[dict[str, Any]] | None:
         if not isinstance(spec, (int, float)) or isinstance(spec, bool):
@@ -273,30 +303,51 @@ class RolloutDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         tokenizer = data_tokenizer(self.tokenizer, self.trainer)
         self.prompt_tokenizer = PromptTokenizer(
-            tokenizer, self.max_prompt_length, self.prompt_truncation, self.prompt_column
+            tokenizer,
+            self.max_prompt_length,
+            self.prompt_truncation,
+            self.prompt_column,
+            self.messages_column,
+            self.special_tokens_in_prompts,
         )
-        if self.prompt_truncation == "error":  # fail before any model is loaded
-            if isinstance(self.source, list):
-                for i, row in enumerate(self.source):
-                    self.prompt_tokenizer.check_length(row[self.prompt_column], f"#{i}")
-            for field, rows in (
-                ("data.val_prompts", self.val_rows),
-                ("data.test_prompts", self.test_rows),
-                ("data.predict_prompts", self.predict_rows),
-            ):
-                for i, row in enumerate(rows or []):
-                    self.prompt_tokenizer.check_length(row[self.prompt_column], f"#{i} of {field}")
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        self._check_rows(module)  # fail before any model is loaded
         if self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
         self.stream = PromptStream(self.source, self.seed, self.shuffle, self.rank, self.world_size)
+        seed = self.seed + REFILL_SEED_OFFSET
+        self.refill_stream = PromptStream(self.source, seed, self.shuffle, self.rank, self.world_size)
         if stage == "fit":
             self._check_training_set(self.stream)
         if self._pending_state is not None:
             self.load_state_dict({"prompt_stream": self._pending_state})
-        module = self.trainer.lightning_module if self.trainer is not None else None
         check_rollout_batch = getattr(module, "check_rollout_batch", None)
         if check_rollout_batch is not None:
             check_rollout_batch(self.batch_size)
+
+    def _check_rows(self, module: Any) -> None:
+        """Every finite prompt set: chat templates apply, prompts fit (truncation 'error'), and the module's reward
+        functions (and, for held-out sets, metric functions) find the columns they need."""
+        assert self.prompt_tokenizer is not None
+        reward_fns = list(getattr(getattr(module, "reward", None), "reward_fns", None) or [])
+        metric_fns = getattr(module, "metric_fns", None) or {}
+        metric_fns = list(metric_fns.values()) if isinstance(metric_fns, dict) else list(metric_fns)
+        sets = [("data.prompts", self.source if isinstance(self.source, list) else None, reward_fns)]
+        sets += [
+            (field, rows, reward_fns + metric_fns)
+            for field, rows in (
+                ("data.val_prompts", self.val_rows),
+                ("data.test_prompts", self.test_rows),
+                ("data.predict_prompts", self.predict_rows),
+            )
+        ]
+        checked: set[int] = set()  # test/predict rows default to the validation rows: tokenise them once
+        for field, rows, fns in sets:
+            if rows:
+                if id(rows) not in checked:
+                    self.prompt_tokenizer.check_rows(rows, field)
+                    checked.add(id(rows))
+                check_columns(fns, rows, field, self.prompt_column)
 
     def _check_training_set(self, stream: PromptStream) -> None:
         per_rank = stream.rows_per_pass  # raises when there are fewer prompts than processes
@@ -319,6 +370,13 @@ class RolloutDataModule(L.LightningDataModule):
         return PromptBatches(
             self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch, self._current_epoch
         )
+
+    def refill_batch(self, start: int) -> PromptBatch:
+        """`batch_size` rows of this rank's refill stream from row `start` (dynamic sampling's extra prompts,
+        read at a position fixed by the rollout's number: `lit_rlhf.rollout.dynamic.refill_position`)."""
+        if self.refill_stream is None or self.prompt_tokenizer is None:
+            raise RuntimeError("RolloutDataModule.refill_batch: call setup() first")
+        return self.prompt_tokenizer(self.refill_stream.rows(start, self.batch_size))
 
     def _held_out_batches(self, rows: list[dict[str, Any]] | None, hook: str) -> HeldOutBatches | list:
         """This rank's rows i with i % world_size == rank, in order; [] when no prompts are configured."""

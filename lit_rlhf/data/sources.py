@@ -1,70 +1,249 @@
-"""Where prompt rows come from: JSONL or text files, Python lists, `builtin:<task>` streams; and the seeded,
-per-rank, resumable order in which they are read."""
+"""Where prompt rows come from: JSONL, JSON or text files, Python lists, Hugging Face `datasets`, `builtin:<task>`
+streams; the checks every row passes; and the seeded, per-rank, resumable order in which rows are read."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.registry import get_task
 
+ROLES = ("system", "user", "assistant", "tool")
+"""Message roles a chat prompt may use."""
+
+FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".txt": "txt"}
+"""Prompt file formats by suffix (compared case-insensitively)."""
+
+
+def check_file(path: str, field: str) -> None:
+    """A ConfigError naming `field` when `path` is a folder or does not exist."""
+    if os.path.isdir(path):
+        raise ConfigError(
+            f"{field}: {path!r} is a folder, not a prompt file; give a .jsonl, .json or .txt file (a dataset saved "
+            "with save_to_disk: load it with datasets.load_from_disk and pass the Dataset from Python)"
+        )
+    if not os.path.isfile(path):
+        raise ConfigError(f"{field}: the file {path!r} does not exist")
+
+
+def read_text(path: str, field: str) -> str:
+    """The UTF-8 text of a file (a leading BOM dropped); errors name `field`, and the line and byte of bad bytes."""
+    check_file(path, field)
+    with open(path, "rb") as handle:
+        data = handle.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{field}: {path}:{line} is not UTF-8 (byte {err.start} of the file, {data[err.start : err.start + 1]!r}); "
+            "save the file as UTF-8"
+        ) from err
+
+
+def text_lines(path: str, field: str) -> Iterator[tuple[int, str]]:
+    """(line number, line without its newline) for each line of a UTF-8 text file."""
+    text = read_text(path, field).replace("\r\n", "\n")
+    yield from enumerate(text.split("\n"), start=1)
+
 
 def jsonl_objects(path: str, field: str) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line of a JSONL file; errors name `field`, file and line."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{field}: the file {path!r} does not exist")
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{field}: {path}:{line_number} is not valid JSON ({err})") from err
-            yield line_number, row
+    for line_number, line in text_lines(path, field):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{field}: {path}:{line_number} is not valid JSON ({err})") from err
+        yield line_number, row
 
 
-def read_prompt_file(path: str, prompt_column: str = "prompt", field: str = "data.prompts") -> list[dict[str, Any]]:
-    """Rows from a .jsonl file (objects with `prompt_column`) or a text file (one prompt per line); errors name
-    `field` (the setting that named the file)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{field}: the file {path!r} does not exist")
-    rows: list[dict[str, Any]] = []
-    if path.endswith(".jsonl"):
-        for line_number, row in jsonl_objects(path, field):
-            if not isinstance(row, dict) or prompt_column not in row:
-                raise ConfigError(
-                    f"{field}: {path}:{line_number} has no field {prompt_column!r}; "
-                    "every line needs it (or set data.prompt_column)"
-                )
-            if not isinstance(row[prompt_column], str):
-                raise ConfigError(
-                    f"{field}: {path}:{line_number}: field {prompt_column!r} must be a string, "
-                    f"got {type(row[prompt_column]).__name__}"
-                )
-            rows.append(row)
+def check_messages(messages: list, where: str, column: str) -> None:
+    """A chat prompt: a list of {'role', 'content'} messages with known roles, string contents, a user turn."""
+    if not messages:
+        raise ConfigError(f"{where}: field {column!r} is an empty message list; give at least one user message")
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ConfigError(
+                f"{where}: field {column!r}, message {j} is {message!r}; each message needs 'role' and 'content'"
+            )
+        if message["role"] not in ROLES:
+            raise ConfigError(
+                f"{where}: field {column!r}, message {j} has role {message['role']!r}; use one of {', '.join(ROLES)}"
+            )
+        if not isinstance(message["content"], str):
+            raise ConfigError(
+                f"{where}: field {column!r}, message {j} ({message['role']}): content must be a string, got "
+                f"{type(message['content']).__name__}; give the message text as one string"
+            )
+    if not any(message["role"] == "user" for message in messages):
+        raise ConfigError(f"{where}: field {column!r} has no user message; a chat prompt needs at least one")
+
+
+def prompt_value(row: dict[str, Any], prompt_column: str, messages_column: str) -> str | list:
+    """A checked row's prompt: the string or message list in `prompt_column`, else the messages in
+    `messages_column`."""
+    return row[prompt_column] if prompt_column in row else row[messages_column]
+
+
+def check_row(row: Any, where: str, prompt_column: str, messages_column: str, noun: str) -> dict[str, Any]:
+    """`row` when it is an object holding a non-empty string prompt or a valid message list; else a ConfigError
+    saying where (`where` starts with the setting's name; `noun` is what a missing prompt is called)."""
+    if not isinstance(row, dict):
+        raise ConfigError(
+            f"{where} is a {type(row).__name__}, not an object; give a prompt string or an object with "
+            f"{prompt_column!r} (or {messages_column!r})"
+        )
+    column = prompt_column if prompt_column in row else messages_column
+    if column not in row:
+        raise ConfigError(
+            f"{where} has no {noun} {prompt_column!r} (nor a message list in {messages_column!r}); its fields "
+            f"are {sorted(row)}; every row needs one (or set data.prompt_column / data.messages_column)"
+        )
+    value = row[column]
+    if isinstance(value, str):
+        if not value.strip():
+            raise ConfigError(f"{where}: field {column!r} is an empty prompt ({value!r}); remove the row or fill it")
+    elif isinstance(value, list):
+        check_messages(value, where, column)
     else:
-        with open(path, encoding="utf-8") as handle:
-            rows = [{prompt_column: line.rstrip("\n")} for line in handle if line.strip()]
-    if not rows:
-        raise ConfigError(f"{field}: the file {path!r} holds no prompts")
-    return rows
+        raise ConfigError(
+            f"{where}: field {column!r} must be a string, got {type(value).__name__} "
+            "(or a list of {'role', 'content'} messages)"
+        )
+    return row
 
 
-def prompt_rows(prompts: list, prompt_column: str, field: str) -> list[dict[str, Any]]:
-    """Rows from a Python list of strings or dicts, each with a string `prompt_column`."""
-    rows = [p if isinstance(p, dict) else {prompt_column: p} for p in prompts]
-    if not rows:
-        raise ConfigError(f"{field}: the prompt list is empty")
-    for i, row in enumerate(rows):
-        if not isinstance(row.get(prompt_column), str):
-            raise ConfigError(f"{field}: row {i} has no string field {prompt_column!r}")
-    return rows
+def checked_rows(
+    items: list,
+    where: Callable[[int], str],
+    prompt_column: str,
+    messages_column: str,
+    empty: str,
+    noun: str = "string field",
+) -> list[dict[str, Any]]:
+    """Each item (a prompt string or a row object) checked, strings wrapped as {prompt_column: text}."""
+    if not items:
+        raise ConfigError(empty)
+    return [
+        check_row(
+            {prompt_column: item} if isinstance(item, str) else item, where(i), prompt_column, messages_column, noun
+        )
+        for i, item in enumerate(items)
+    ]
+
+
+def file_format(path: str, field: str) -> str:
+    """'jsonl', 'json' or 'txt' from the case-insensitive suffix of `path`."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in FILE_FORMATS:
+        raise ConfigError(
+            f"{field}: cannot tell the format of {path!r} from its suffix {suffix!r}; name it .jsonl (one JSON "
+            "object per line), .json (a JSON array of objects or strings) or .txt (one prompt per line)"
+        )
+    return FILE_FORMATS[suffix]
+
+
+def read_prompt_file(
+    path: str, prompt_column: str = "prompt", field: str = "data.prompts", messages_column: str = "messages"
+) -> list[dict[str, Any]]:
+    """Checked rows from a .jsonl, .json (array) or .txt (one prompt per line, blank lines skipped) file; errors
+    name `field` (the setting that named the file) and the line or item."""
+    check_file(path, field)
+    kind = file_format(path, field)
+    empty = f"{field}: the file {path!r} holds no prompts"
+    if kind == "txt":
+        lines = [(n, line) for n, line in text_lines(path, field) if line.strip()]
+        return checked_rows(
+            [line for _, line in lines],
+            lambda i: f"{field}: {path}:{lines[i][0]}",
+            prompt_column,
+            messages_column,
+            empty,
+        )
+    if kind == "jsonl":
+        numbered = list(jsonl_objects(path, field))
+        return checked_rows(
+            [row for _, row in numbered],
+            lambda i: f"{field}: {path}:{numbered[i][0]}",
+            prompt_column,
+            messages_column,
+            empty,
+            "field",
+        )
+    try:
+        items = json.loads(read_text(path, field))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{field}: {path}:{err.lineno} is not valid JSON ({err})") from err
+    if not isinstance(items, list):
+        raise ConfigError(
+            f"{field}: {path} holds a JSON {type(items).__name__}, not an array; a .json prompt file is an array of "
+            "prompt strings or row objects (use .jsonl for one object per line)"
+        )
+    return checked_rows(items, lambda i: f"{field}: {path} item {i}", prompt_column, messages_column, empty, "field")
+
+
+def dataset_rows(spec: Any, split: str | None, field: str, split_field: str) -> list[dict[str, Any]] | None:
+    """The rows of a Hugging Face `Dataset`, or of split `split` of a `DatasetDict`; None for anything else."""
+    if not type(spec).__module__.startswith("datasets"):
+        return None
+    import datasets
+
+    if isinstance(spec, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise ConfigError(
+            f"{field}: got a streaming {type(spec).__name__}; give a Dataset (load without streaming=True)"
+        )
+    if isinstance(spec, datasets.DatasetDict):
+        splits = sorted(spec)
+        if split is None:
+            raise ConfigError(f"{field}: got a DatasetDict with splits {splits}; choose one with {split_field}")
+        if split not in spec:
+            raise ConfigError(
+                f"{split_field}: the DatasetDict given as {field} has no split {split!r}; its splits: {splits}"
+            )
+        spec = spec[split]
+    if isinstance(spec, datasets.Dataset):
+        return spec.to_list()
+    return None
+
+
+def load_prompt_rows(
+    spec: Any, prompt_column: str, messages_column: str, field: str, split: str | None, split_field: str
+) -> list[dict[str, Any]]:
+    """Checked rows from a file path, a list of strings/objects, or a `datasets` Dataset/DatasetDict (`split`)."""
+    if isinstance(spec, str):
+        return read_prompt_file(spec, prompt_column, field, messages_column)
+    rows = dataset_rows(spec, split, field, split_field)
+    if rows is not None:
+        return checked_rows(
+            rows, lambda i: f"{field}: row {i}", prompt_column, messages_column, f"{field}: the dataset is empty"
+        )
+    if isinstance(spec, (list, tuple)):
+        return checked_rows(
+            list(spec),
+            lambda i: f"{field}: row {i}",
+            prompt_column,
+            messages_column,
+            f"{field}: the prompt list is empty",
+        )
+    if isinstance(spec, dict):
+        raise ConfigError(
+            f"{field}: got a dict ({list(spec)[:5]}), not a list of rows; give a list of prompt strings or row objects "
+            "(a dict of columns is not read as prompts: make it a datasets.Dataset.from_dict(...) or a list)"
+        )
+    kind = "a fraction" if isinstance(spec, (int, float)) else f"a {type(spec).__name__}"
+    only_val = " (only data.val_prompts takes a fraction)" if isinstance(spec, (int, float)) else ""
+    raise ConfigError(
+        f"{field}: got {kind} ({spec!r}); give a .jsonl/.json/.txt file, a list of prompts, a datasets Dataset or "
+        f"builtin:<task>{only_val}"
+    )
 
 
 def builtin_rows(spec: str, seed: int, count: int, field: str) -> list[dict[str, Any]]:
@@ -129,12 +308,15 @@ class PromptStream:
                 number, offset = divmod(start + len(out), per_pass)
                 out.extend(self.pass_rows(number)[offset : offset + count - len(out)])
             return out
-        if self._cursor is None or self._cursor[0] != start:  # a new generator only after a jump (resume)
+        if self._cursor is None or self._cursor[0] > start:  # a new generator only after a jump back (resume)
             assert isinstance(self.source, str)
             rows = itertools.islice(
                 get_task(self.source, "data.prompts").prompts(self.seed), self.rank, None, self.world_size
             )
             self._cursor = (start, itertools.islice(rows, start, None))
+        elif self._cursor[0] < start:  # a jump forward: skip the rows in between
+            collections.deque(itertools.islice(self._cursor[1], start - self._cursor[0]), maxlen=0)
+            self._cursor = (start, self._cursor[1])
         out = list(itertools.islice(self._cursor[1], count))
         self._cursor = (start + len(out), self._cursor[1])
         return out
