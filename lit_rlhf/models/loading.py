@@ -1,14 +1,20 @@
 """Loading models and tokenizers from a name, a local folder, a `builtin:<task>` or an instance; freezing.
 
-Every loader checks a local path before transformers sees it, so a typo gives an error naming the setting.
+Every loader checks a local path before transformers sees it, so a typo gives an error naming the setting; a
+folder's config.json must parse, a hub id must be cached or the hub reachable (no minute of retries offline),
+and damaged weights files give an error naming the setting too.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import socket
 import warnings
+from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 from torch import nn
 
@@ -30,6 +36,86 @@ def check_local_path(spec: str, field: str, needs: tuple[str, ...] = ()) -> None
         raise ConfigError(
             f"{field}: the folder {spec!r} holds none of {', '.join(needs)}; is it a folder written by save_pretrained?"
         )
+
+
+def check_config_json(folder: str, field: str) -> None:
+    """A checkpoint folder's config.json must be a JSON object with a `model_type` (when the folder has one)."""
+    path = os.path.join(os.path.expanduser(folder), "config.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, OSError) as err:  # invalid JSON or undecodable bytes
+        raise ConfigError(
+            f"{field}: {path} is not valid JSON ({err}); the checkpoint is damaged: save or download it again"
+        ) from err
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ConfigError(
+            f"{field}: {path} has no 'model_type', so transformers cannot tell which model it is; save the model "
+            'again with save_pretrained (or add the model_type, e.g. "llama")'
+        )
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _hub_unreachable(endpoint: str) -> str | None:
+    """Why the hub cannot be reached (a 3 s TCP probe), or None. Behind a proxy the probe is skipped."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), 3).close()
+    except OSError as err:
+        return f"the hub at {endpoint} cannot be reached ({err})"
+    return None
+
+
+def check_hub_id(spec: str, field: str, needs: tuple[str, ...]) -> None:
+    """A spec that is not a local path is a hub id: it must be in the local Hugging Face cache, or the hub must
+    be reachable and not switched off (HF_HUB_OFFLINE); else fail now instead of after a minute of retries."""
+    if os.path.exists(os.path.expanduser(spec)):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError as err:
+        raise ConfigError(f"{field}: {spec!r} is neither an existing folder nor a model name ({err})") from err
+    if any(isinstance(try_to_load_from_cache(spec, name), str) for name in needs):
+        return
+    offline = constants.HF_HUB_OFFLINE or _truthy("HF_HUB_OFFLINE") or _truthy("TRANSFORMERS_OFFLINE")
+    reason = "HF_HUB_OFFLINE is set" if offline else _hub_unreachable(constants.ENDPOINT)
+    if reason:
+        raise ConfigError(
+            f"{field}: {spec!r} is not a local folder and not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            f"and {reason}; download it first (`hf download {spec}`) or give a local folder"
+        )
+
+
+def from_pretrained(load: Callable[..., Any], spec: str, field: str, needs: tuple[str, ...], **kwargs: Any) -> Any:
+    """`load(spec, **kwargs)` after the folder/hub checks; unreadable files give a `ConfigError` naming `field`."""
+    check_local_path(spec, field, needs)
+    check_hub_id(spec, field, needs)
+    check_config_json(spec, field)
+    from safetensors import SafetensorError
+
+    try:
+        return load(spec, **kwargs)
+    except SafetensorError as err:
+        raise ConfigError(
+            f"{field}: a weights file of {spec!r} cannot be read ({err}); it is truncated or damaged (an interrupted "
+            "download or save?): download or save it again"
+        ) from err
+    except OSError as err:
+        raise ConfigError(
+            f"{field}: cannot load {spec!r}: {err} Give a folder written by save_pretrained, or a model name that "
+            "is downloaded or can be"
+        ) from err
 
 
 MODEL_FILES = ("config.json", "adapter_config.json")  # a full model, or a PEFT adapter on a named base
@@ -54,8 +140,9 @@ def load_tokenizer(spec: Any, field: str = "tokenizer", trust_remote_code: bool 
     elif is_portable(spec):
         tokenizer = tokenizer_from_portable(spec)
     elif isinstance(spec, str):
-        check_local_path(spec, field, TOKENIZER_FILES)
-        tokenizer = AutoTokenizer.from_pretrained(spec, trust_remote_code=trust_remote_code)
+        tokenizer = from_pretrained(
+            AutoTokenizer.from_pretrained, spec, field, TOKENIZER_FILES, trust_remote_code=trust_remote_code
+        )
     else:
         tokenizer = copy.deepcopy(spec)
     return prepare_tokenizer(tokenizer, field)
@@ -98,8 +185,8 @@ def load_causal_lm(spec: Any, field: str = "policy", trust_remote_code: bool = F
     if is_portable(spec):
         return model_from_portable(spec, AutoModelForCausalLM)
     if isinstance(spec, str):
-        check_local_path(spec, field, MODEL_FILES)
-        return AutoModelForCausalLM.from_pretrained(spec, trust_remote_code=trust_remote_code, **kwargs)
+        load = AutoModelForCausalLM.from_pretrained
+        return from_pretrained(load, spec, field, MODEL_FILES, trust_remote_code=trust_remote_code, **kwargs)
     if not isinstance(spec, nn.Module):
         raise ConfigError(f"{field}: expected a model name, a folder or a transformers model, got {type(spec)!r}")
     head = getattr(spec, "get_output_embeddings", None)
@@ -146,10 +233,8 @@ def load_sequence_classifier(spec: Any, field: str, trust_remote_code: bool = Fa
     if is_portable(spec):
         return model_from_portable(spec, AutoModelForSequenceClassification)
     if isinstance(spec, str):
-        check_local_path(spec, field, MODEL_FILES)
-        return AutoModelForSequenceClassification.from_pretrained(
-            spec, num_labels=1, trust_remote_code=trust_remote_code
-        )
+        load = AutoModelForSequenceClassification.from_pretrained
+        return from_pretrained(load, spec, field, MODEL_FILES, num_labels=1, trust_remote_code=trust_remote_code)
     if not isinstance(spec, nn.Module):
         raise ConfigError(f"{field}: expected a model name, a folder or a transformers model, got {type(spec)!r}")
     return spec

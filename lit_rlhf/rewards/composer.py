@@ -1,4 +1,9 @@
-"""Reward functions and an optional reward model, combined with weights into one (B,) score per response."""
+"""Reward functions and an optional reward model, combined with weights into one (B,) score per response.
+
+The reward functions run one after another in the calling thread by default; `workers` runs them on a pool
+of threads (a `rowwise` function's batch is split into consecutive chunks across it), and `timeout_s` bounds
+each call (`lit_rlhf.rewards.parallel`). Either way the scores and their order are those of the plain loop.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
-from lit_rlhf.rewards.functions import RewardError, RewardFn, call_reward_fn
+from lit_rlhf.rewards.functions import RewardError, RewardFn, is_rowwise
+from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
 
 
@@ -23,6 +29,8 @@ class RewardComposer:
         weights: Sequence[float] | None = None,
         reward_model_weight: float = 1.0,
         nan_score: float | None = None,
+        timeout_s: float | None = None,
+        workers: int = 0,
     ):
         self.reward_fns = list(reward_fns)
         if weights is None:
@@ -35,6 +43,14 @@ class RewardComposer:
         self.weights = [float(w) for w in weights]
         self.reward_model_weight = reward_model_weight
         self.nan_score = nan_score
+        seconds = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+        if timeout_s is not None and not (seconds and 0 < timeout_s < math.inf):
+            raise ConfigError(f"model.reward_timeout_s: {timeout_s!r}; give a number of seconds > 0, or null for none")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ConfigError(
+                f"model.reward_workers: {workers!r}; give a whole number >= 0 (0: call the reward functions in turn)"
+            )
+        self.timeout_s, self.workers = timeout_s, workers
 
     def __call__(
         self,
@@ -45,12 +61,14 @@ class RewardComposer:
         sequence_ids: Tensor | None = None,
         sequence_mask: Tensor | None = None,
         last_index: Tensor | None = None,
+        finished: Tensor | None = None,
     ) -> Tensor:
         """(B,) float32 scores on CPU. The reward model reads `sequence_ids` at `last_index` when it
-        shares the policy tokenizer, else the prompt+response texts."""
+        shares the policy tokenizer, else the prompt+response texts, with its EOS after each `finished` (B,)
+        response (one that ended with the policy's EOS), as in reward-model training."""
         total = torch.zeros(len(prompts), dtype=torch.float32)
-        for fn, weight in zip(self.reward_fns, self.weights, strict=True):
-            total += weight * call_reward_fn(fn, prompts, responses, meta, self.nan_score)
+        for weight, scores in zip(self.weights, self.function_scores(prompts, responses, meta), strict=True):
+            total += weight * scores
         if reward_model is not None:
             if sequence_ids is None:
                 raise ValueError("RewardComposer: a reward model needs sequence_ids (the policy's token ids)")
@@ -62,9 +80,23 @@ class RewardComposer:
                     )
                 rm_scores = reward_model.score_ids(sequence_ids, sequence_mask, last_index)
             else:
+                if finished is None:
+                    raise ValueError("RewardComposer: a reward model with its own tokenizer needs `finished`")
                 texts = [p + r for p, r in zip(prompts, responses, strict=True)]
-                rm_scores = reward_model.score_texts(texts, sequence_ids.device)
+                rm_scores = reward_model.score_texts(texts, finished, sequence_ids.device)
             total += self.reward_model_weight * rm_scores.cpu()
         if not math.isfinite(float(total.sum())):
             raise RewardError("the combined reward is not finite; check the reward model's outputs")
         return total
+
+    def function_scores(self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> list[Tensor]:
+        """Each reward function's checked (B,) scores, in the order of `reward_fns`."""
+        calls: list[list[RewardCall]] = [
+            chunked(fn, prompts, responses, meta, self.workers if is_rowwise(fn) else 1) for fn in self.reward_fns
+        ]
+        flat = run_calls([c for per_fn in calls for c in per_fn], self.nan_score, self.workers, self.timeout_s)
+        out, start = [], 0
+        for per_fn in calls:
+            out.append(torch.cat(flat[start : start + len(per_fn)]))
+            start += len(per_fn)
+        return out

@@ -1,22 +1,30 @@
 """The reward-function contract: import by dotted path, call, and check the answer.
 
-A reward function is any callable `fn(prompts: list[str], responses: list[str], **meta) -> sequence of B
-numbers` (or a (B,) tensor); `meta` holds the extra dataset columns, one list of B values each.
-In YAML, name it by dotted path: `lit_rlhf.tasks.digits.sort_digits_reward`.
+A reward function is any callable `fn(prompts: list[str], responses: list[str], **meta) -> B scores`; `meta`
+holds the extra dataset columns, one list of B values each. The answer must be a list, tuple, 1-D tensor or
+1-D numpy array of exactly B finite real numbers (not bools); anything else is a `RewardError` naming the
+function. In YAML, name it by dotted path: `lit_rlhf.tasks.digits.sort_digits_reward`.
 """
 
 from __future__ import annotations
 
 import importlib
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
 
 RewardFn = Callable[..., Any]
+
+CONTRACT = (
+    "a reward function must return a list, tuple, 1-D tensor or 1-D numpy array of one finite real number per "
+    "response (not bools: convert with float())"
+)
 
 
 class RewardError(RuntimeError):
@@ -30,10 +38,18 @@ def import_callable(path: str, field: str = "reward_fns") -> RewardFn:
         raise ConfigError(f"{field}: {path!r} is not a dotted path like 'my_package.rewards.my_reward'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # SystemExit too: a module's own code may call sys.exit on import
+        missing = err.name if isinstance(err, ModuleNotFoundError) else None  # the module (or a parent) is absent
+        if missing is not None and (module_name == missing or module_name.startswith(f"{missing}.")):
+            raise ConfigError(
+                f"{field}: cannot import module {module_name!r} for {path!r} ({err}); "
+                "check the spelling and that it is on PYTHONPATH"
+            ) from err
         raise ConfigError(
-            f"{field}: cannot import module {module_name!r} for {path!r} ({err}); "
-            "check the spelling and that it is on PYTHONPATH"
+            f"{field}: importing module {module_name!r} for {path!r} raised {type(err).__name__}: {err}; fix that "
+            f"module (`python -c 'import {module_name}'` shows the traceback)"
         ) from err
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
@@ -61,37 +77,104 @@ def _name(fn: RewardFn) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def call_reward_fn(
-    fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], nan_score: float | None = None
-) -> Tensor:
-    """Call `fn` and check its answer: B finite numbers -> (B,) float32 tensor on CPU.
+def rowwise(fn: RewardFn) -> RewardFn:
+    """Mark `fn` as scoring each response on its own, so `reward_workers` may split its batch into chunks.
 
-    A NaN is an error unless `nan_score` is given, which then replaces it.
+    Use it as a decorator; leave it off a function whose scores depend on the rest of the batch.
     """
+    fn.lit_rlhf_rowwise = True  # type: ignore[attr-defined]  # a marker attribute on the user's callable
+    return fn
+
+
+def is_rowwise(fn: RewardFn) -> bool:
+    return getattr(fn, "lit_rlhf_rowwise", False) is True
+
+
+def invoke(fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> Any:
+    """`fn`'s raw answer; any exception from it (SystemExit too, not KeyboardInterrupt) as a `RewardError`."""
     try:
-        raw = fn(prompts, responses, **meta)
-    except Exception as err:  # re-raised with the function and the first prompt named
+        return fn(prompts, responses, **meta)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # user code: sys.exit() in it must not end the run quietly
         raise RewardError(
             f"reward function {_name(fn)} raised {type(err).__name__}: {err} "
             f"(batch of {len(prompts)}, first prompt {prompts[0]!r})"
         ) from err
-    try:
-        scores = torch.as_tensor(raw if isinstance(raw, Tensor) else list(raw), dtype=torch.float32).cpu()
-    except (TypeError, ValueError) as err:
-        raise RewardError(f"reward function {_name(fn)} must return numbers, got {type(raw).__name__}: {err}") from err
-    if scores.dim() != 1 or scores.shape[0] != len(prompts):
-        raise RewardError(
-            f"reward function {_name(fn)} returned shape {tuple(scores.shape)}; expected one score per response "
-            f"({len(prompts)},)"
-        )
-    bad = ~torch.isfinite(scores)
+
+
+def _describe(raw: Any) -> str:
+    size = f" of length {len(raw)}" if isinstance(raw, dict | str) else ""
+    return f"{type(raw).__name__}{size}"
+
+
+def _real(x: Any) -> bool:
+    """A real number that is not a bool: int, float, numpy scalar, or a 0-d real tensor/array."""
+    if isinstance(x, Tensor | np.ndarray):
+        return x.ndim == 0 and _real_dtype(x.dtype)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool | np.bool_)
+
+
+def _real_dtype(dtype: Any) -> bool:
+    if isinstance(dtype, torch.dtype):
+        return dtype != torch.bool and not dtype.is_complex
+    return np.dtype(dtype).kind in "iuf"
+
+
+def check_scores(
+    fn: RewardFn,
+    raw: Any,
+    prompts: list[str],
+    responses: list[str],
+    nan_score: float | None = None,
+    offset: int = 0,
+) -> Tensor:
+    """Check `raw` against the contract for a batch of len(prompts) -> (B,) float32 on CPU.
+
+    A NaN is an error unless `nan_score` is given, which then replaces it; `offset` is the batch's first
+    row in the caller's batch (for the messages, when a batch was split into chunks).
+    """
+    n, name = len(prompts), _name(fn)
+    expected = f"expected one score per response ({n},): {CONTRACT}"
+    if isinstance(raw, Tensor | np.ndarray):
+        if raw.ndim != 1 or raw.shape[0] != n or not _real_dtype(raw.dtype):
+            shape = tuple(raw.shape)
+            raise RewardError(f"reward function {name} returned shape {shape}; {expected} (got dtype {raw.dtype})")
+        values = torch.as_tensor(raw).detach().to("cpu", torch.float64)
+    elif isinstance(raw, list | tuple):
+        if len(raw) != n:
+            raise RewardError(f"reward function {name} returned a {type(raw).__name__} of {len(raw)}; {expected}")
+        for i, x in enumerate(raw):
+            if not _real(x):
+                raise RewardError(
+                    f"reward function {name} returned a {type(raw).__name__} whose element {offset + i} is {x!r} "
+                    f"({type(x).__name__}) for prompt {prompts[i]!r}, response {responses[i]!r}; {CONTRACT}"
+                )
+        values = torch.tensor([float(x) for x in raw], dtype=torch.float64)
+    else:
+        raise RewardError(f"reward function {name} must return numbers, got {_describe(raw)}; {expected}")
+    bad = ~torch.isfinite(values)
     if bad.any():
         i = int(bad.nonzero()[0])
-        if nan_score is not None and torch.isnan(scores[i]) and not torch.isinf(scores).any():
-            scores = torch.nan_to_num(scores, nan=nan_score)
-        else:
+        if nan_score is None or torch.isinf(values).any():
             raise RewardError(
-                f"reward function {_name(fn)} returned {scores[i].item()} for prompt {prompts[i]!r}, response "
-                f"{responses[i]!r}; return finite numbers (or set reward nan_score to replace NaN)"
+                f"reward function {name} returned {values[i].item()} for prompt {prompts[i]!r} (element "
+                f"{offset + i}), response {responses[i]!r}; return finite numbers (or set model.nan_score to "
+                "replace NaN)"
             )
+        values = torch.nan_to_num(values, nan=nan_score)
+    scores = values.float()
+    if not torch.isfinite(scores).all():  # finite in float64, too large for float32
+        i = int((~torch.isfinite(scores)).nonzero()[0])
+        raise RewardError(
+            f"reward function {name} returned {values[i].item()} (element {offset + i}), beyond float32; "
+            "return finite numbers of a sensible size"
+        )
     return scores
+
+
+def call_reward_fn(
+    fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], nan_score: float | None = None
+) -> Tensor:
+    """Call `fn` and check its answer against the contract: -> (B,) float32 tensor on CPU."""
+    return check_scores(fn, invoke(fn, prompts, responses, meta), prompts, responses, nan_score)

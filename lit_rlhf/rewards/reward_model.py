@@ -15,6 +15,7 @@ from lit_rlhf.algorithms.losses import last_token_index
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.actor_critic import position_ids_from_mask
 from lit_rlhf.models.loading import disable_dropout, freeze, load_sequence_classifier, load_tokenizer
+from lit_rlhf.registry import get_task, is_builtin
 
 
 class SequenceRewardModel(nn.Module):
@@ -51,22 +52,48 @@ class SequenceRewardModel(nn.Module):
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self._head()(hidden[rows, last_index]).squeeze(-1).float()
 
-    def score_texts(self, texts: list[str], device: torch.device) -> Tensor:
-        """Re-tokenise full texts with the reward model's own tokenizer -> (B,) float32."""
+    def score_texts(self, texts: list[str], finished: Tensor, device: torch.device) -> Tensor:
+        """Re-tokenise full texts with the reward model's own tokenizer, its EOS after each `finished` (B,)
+        text as in reward-model training (`with_eos`), right padded -> (B,) float32 read at the last token."""
         if self.tokenizer is None:
             raise ValueError(
                 "SequenceRewardModel.score_texts: the reward model has no tokenizer of its own; "
                 "score the policy's token ids with score_ids"
             )
-        self.tokenizer.padding_side = "right"
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True).to(device)
-        last = last_token_index(enc["attention_mask"].bool())
-        return self.score_ids(enc["input_ids"], enc["attention_mask"], last)
+        eos = self.tokenizer.eos_token_id
+        rows = [
+            with_eos(ids, eos) if done else list(ids)
+            for ids, done in zip(self.tokenizer(texts)["input_ids"], finished.tolist(), strict=True)
+        ]
+        input_ids, attention_mask = right_padded(rows, self.tokenizer.pad_token_id)
+        last = last_token_index(attention_mask.bool())
+        return self.score_ids(input_ids.to(device), attention_mask.to(device), last.to(device))
+
+
+def with_eos(ids: list[int], eos_token_id: int) -> list[int]:
+    """`ids` ending with the EOS (appended unless already last): a reward model reads a finished text's
+    score at its EOS, in training (`PairCollator`) and in PPO alike."""
+    ids = list(ids)
+    if not ids or ids[-1] != eos_token_id:
+        ids.append(eos_token_id)
+    return ids
+
+
+def right_padded(rows: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Token id lists -> input_ids, attention_mask (N, S), right padded with `pad_token_id`."""
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, : len(ids)] = 1
+    return input_ids, attention_mask
 
 
 def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: Any, spec: Any = None) -> None:
     """A reward model without a tokenizer of its own reads the policy's token ids: fail clearly when its
-    vocabulary cannot be the policy's (too small, or its folder holds a tokenizer with another vocabulary)."""
+    vocabulary cannot be the policy's (too small), or when its own tokenizer (in its folder, in the hub cache,
+    or its built-in task's) has another vocabulary or another EOS, where it reads its score."""
     if reward_model.tokenizer is not None or policy_tokenizer is None:
         return
     fix = (
@@ -79,15 +106,50 @@ def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: 
             f"model.reward_tokenizer: the reward model knows {vocab_size} token ids but the policy's tokenizer has "
             f"{len(policy_tokenizer)}; they do not share token ids. {fix}"
         )
-    if isinstance(spec, str) and os.path.isfile(os.path.join(spec, "tokenizer_config.json")):
-        from transformers import AutoTokenizer
+    own = reward_model_tokenizer(spec)
+    if own is None:
+        return
+    if own.get_vocab() != policy_tokenizer.get_vocab():
+        raise ConfigError(
+            f"model.reward_tokenizer: the reward model {spec!r} holds a tokenizer whose vocabulary differs "
+            f"from the policy's ({len(own)} vs {len(policy_tokenizer)} tokens); {fix}"
+        )
+    if own.eos_token_id != policy_tokenizer.eos_token_id:
+        raise ConfigError(
+            f"model.reward_tokenizer: the reward model {spec!r} reads its score at its EOS {own.eos_token!r} "
+            f"(id {own.eos_token_id}), but the policy ends responses with {policy_tokenizer.eos_token!r} "
+            f"(id {policy_tokenizer.eos_token_id}); {fix}"
+        )
 
-        own = AutoTokenizer.from_pretrained(spec)
-        if own.get_vocab() != policy_tokenizer.get_vocab():
-            raise ConfigError(
-                f"model.reward_tokenizer: the reward model's folder {spec!r} holds a tokenizer whose "
-                f"vocabulary differs from the policy's; {fix}"
-            )
+
+def reward_model_tokenizer(spec: Any) -> Any | None:
+    """The tokenizer that comes with a reward model spec: a built-in task's, a folder's, or a hub id's when it
+    is in the local cache (never downloaded); None for instances and specs without one."""
+    if is_builtin(spec):
+        return get_task(spec, "model.reward_model").tokenizer()
+    if not isinstance(spec, str):
+        return None
+    from transformers import AutoTokenizer
+
+    if os.path.isdir(spec):
+        if os.path.isfile(os.path.join(spec, "tokenizer_config.json")):
+            return AutoTokenizer.from_pretrained(spec)
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(spec, "tokenizer_config.json"), str):
+        return None
+    return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+
+
+def check_reward_tokenizer(model: nn.Module, reward_tokenizer: Any) -> None:
+    """`model.reward_tokenizer` must not produce token ids the reward model cannot embed."""
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab_size is not None and len(reward_tokenizer) > vocab_size:
+        raise ConfigError(
+            f"model.reward_tokenizer: {len(reward_tokenizer)} tokens, but model.reward_model knows only {vocab_size} "
+            "token ids; give the reward model's own tokenizer"
+        )
 
 
 def build_reward_model(spec: Any, tokenizer_spec: Any, trust_remote_code: bool) -> SequenceRewardModel:
@@ -99,4 +161,5 @@ def build_reward_model(spec: Any, tokenizer_spec: Any, trust_remote_code: bool) 
     reward_tokenizer = None
     if tokenizer_spec is not None:
         reward_tokenizer = load_tokenizer(tokenizer_spec, "model.reward_tokenizer", trust_remote_code)
+        check_reward_tokenizer(model, reward_tokenizer)
     return freeze(SequenceRewardModel(model, reward_tokenizer))

@@ -32,7 +32,7 @@ from lit_rlhf.config import ConfigError
 from lit_rlhf.data.sources import jsonl_objects
 from lit_rlhf.models.loading import data_tokenizer, load_sequence_classifier, load_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
-from lit_rlhf.rewards.reward_model import SequenceRewardModel
+from lit_rlhf.rewards.reward_model import SequenceRewardModel, right_padded, with_eos
 from lit_rlhf.training.optim import warmup_then_decay
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
@@ -104,9 +104,7 @@ class PairCollator:
         self._warned = False
 
     def encode(self, ids: list[int]) -> list[int]:
-        ids = list(ids)
-        if self.append_eos and (not ids or ids[-1] != self.tokenizer.eos_token_id):
-            ids.append(self.tokenizer.eos_token_id)
+        ids = with_eos(ids, self.tokenizer.eos_token_id) if self.append_eos else list(ids)
         if len(ids) > self.max_length:
             if not self._warned:
                 warnings.warn(
@@ -121,13 +119,7 @@ class PairCollator:
     def __call__(self, rows: list[dict[str, str]]) -> dict[str, Tensor]:
         texts = [r["prompt"] + r["chosen"] for r in rows] + [r["prompt"] + r["rejected"] for r in rows]
         encoded = [self.encode(ids) for ids in self.tokenizer(texts)["input_ids"]]
-        width = max(len(ids) for ids in encoded)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-        for i, ids in enumerate(encoded):
-            input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[i, : len(ids)] = 1
+        input_ids, attention_mask = right_padded(encoded, self.tokenizer.pad_token_id)
         return {
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlhf.algorithms.losses import last_token_index
-from lit_rlhf.config import SamplingConfig
+from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.rollout.sampler import sample
 from lit_rlhf.types import PromptBatch
 
@@ -65,10 +65,11 @@ def generate(
     prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
     prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
     if sampling.backend == "lean":
+        shared = sampling.share_prefill  # one prefill per prompt, its KV cache repeated group_size times
         raw = sample(
             policy,
-            prompt_ids,
-            prompt_mask,
+            prompts.input_ids if shared else prompt_ids,
+            prompts.attention_mask if shared else prompt_mask,
             sampling.max_new_tokens,
             eos_token_id,
             pad_token_id,
@@ -77,6 +78,7 @@ def generate(
             top_p=sampling.top_p,
             generator=generator,
             do_sample=sampling.do_sample,
+            group_size=group_size if shared else 1,
         ).response_ids
     else:
         raw = hf_generate(policy, prompt_ids, prompt_mask, sampling, eos_token_id, pad_token_id)
@@ -115,8 +117,18 @@ def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor
     """Response texts up to (not including) the first EOS.
 
     Other special tokens the policy produced stay in the text, so a reward function sees exactly what was
-    generated (skipping them would let a policy pad its answer with invisible tokens).
+    generated (skipping them would let a policy pad its answer with invisible tokens). A policy whose vocabulary
+    is padded beyond its tokenizer can sample an id the tokenizer cannot decode: that is an error, never a
+    token silently dropped from the text.
     """
     keep = response_mask & (response_ids != tokenizer.eos_token_id)
+    known = len(tokenizer)
+    if (unknown := keep & ((response_ids >= known) | (response_ids < 0))).any():
+        row, col = (int(i) for i in unknown.nonzero()[0])
+        raise ConfigError(
+            f"model.tokenizer: the policy sampled token id {int(response_ids[row, col])} (response {row}, position "
+            f"{col}), but the tokenizer has only {known} tokens, so the text would silently lose it; use the "
+            "tokenizer that belongs to model.policy, or add the missing tokens to it"
+        )
     rows = [ids[k].tolist() for ids, k in zip(response_ids.cpu(), keep.cpu(), strict=True)]
     return tokenizer.batch_decode(rows, skip_special_tokens=False)
