@@ -10,19 +10,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import save_module_policy
 from lit_rlhf.rewards.training import PreferenceDataModule, RewardModelModule
-from lit_rlhf.training.checkpoint_io import CheckpointError, load_checkpoint_file
+from lit_rlhf.training.checkpoint_io import CheckpointError, check_checkpoint_file, load_checkpoint_file
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.state import CHECKPOINT_KEY
 
@@ -32,7 +35,50 @@ from lit_rlhf.training.state import CHECKPOINT_KEY
 QUIET = (r"Using ModelCheckpoint with manual optimization",)
 
 
-class ResumingCLI(LightningCLI):
+SIGTERM_STATUS = 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM (143)
+
+
+class CheckedCLI(LightningCLI):
+    """LightningCLI that names an unreadable `--ckpt_path` file, and whose subcommand never ends with status 0
+    unless it finished.
+
+    Lightning reads `--ckpt_path` before anything else (for its hyperparameters), and its loader reports an empty
+    file as a bare `EOFError`; the file is checked first, and an empty, truncated or foreign one is named.
+
+    Lightning stops `fit` on SIGTERM by raising `SIGTERMException`, a `SystemExit` without a code (status 0);
+    here it becomes status 143 (128 + SIGTERM), after Lightning's teardown and the `last.ckpt` that
+    `RunFolderGuard` writes. A `SystemExit(0)` raised inside a subcommand (code that calls `sys.exit()`) becomes
+    status 1 with a message naming where it was raised. Other exceptions keep Python's status 1 and traceback.
+    """
+
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        config = self.config[subcommand] if subcommand else None
+        if config is not None and config.get("ckpt_path"):
+            path = resolve_checkpoint(config.ckpt_path, config.trainer.get("callbacks") or [])
+            if path:
+                check_checkpoint_file(path)
+        super()._parse_ckpt_path()
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            print(f"{self.parser.prog}: {subcommand} stopped by SIGTERM; exit status {SIGTERM_STATUS}", file=sys.stderr)
+            raise SystemExit(SIGTERM_STATUS) from None
+        except SystemExit as err:
+            if err.code not in (None, 0):
+                raise
+            where = traceback.extract_tb(err.__traceback__)[-1]
+            print(
+                f"{self.parser.prog}: {subcommand} stopped by SystemExit({err.code}) raised at {where.filename}:"
+                f"{where.lineno} ({where.name}) before it finished; exit status 1",
+                file=sys.stderr,
+            )
+            raise SystemExit(1) from err
+
+
+class ResumingCLI(CheckedCLI):
     """LightningCLI whose `fit --ckpt_path` run logs into the TensorBoard/CSV logger version of the run it resumes
     (read from the checkpoint), so one run's curves stay in one folder."""
 
@@ -80,7 +126,7 @@ def main(args: list[str] | None = None) -> LightningCLI:
 def reward_main(args: list[str] | None = None) -> LightningCLI:
     """Reward-model training; `args` replaces sys.argv[1:]."""
     with quiet_known_notices():
-        return LightningCLI(
+        return CheckedCLI(
             RewardModelModule,
             PreferenceDataModule,
             save_config_kwargs={"overwrite": True},

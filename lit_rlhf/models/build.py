@@ -112,3 +112,44 @@ def build_models(
         reward_model = build_reward_model(specs.reward_model, specs.reward_tokenizer, trust_remote_code)
         check_shared_tokenizer(reward_model, tokenizer, specs.reward_model)
     return Models(actor_critic, reference, reward_model)
+
+
+# the config fields that give a model's longest sequence (learned position tables index past their end)
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def context_window(model: Any) -> tuple[str, int] | None:
+    """The longest sequence `model` takes and the config field that says so (None: its config does not say)."""
+    config = getattr(model, "config", None)
+    for field in CONTEXT_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return field, value
+    return None
+
+
+def check_context_window(
+    models: dict[str, Any],
+    prompt_length: int,
+    max_new_tokens: dict[str, int],
+    prompt_label: str = "data.max_prompt_length",
+) -> None:
+    """Raise if `prompt_length` prompt tokens plus the longest response overflow a model's context window.
+
+    `models`: field name -> model (e.g. {"model.policy": policy}); `max_new_tokens`: sampling field -> its value;
+    `prompt_label`: what `prompt_length` is, for the message. A sequence past the window fails deep in a forward
+    (`IndexError: index out of range` in the position table).
+    """
+    for model_field, model in models.items():
+        window = context_window(model)
+        if window is None:
+            continue
+        config_field, limit = window
+        for sampling_field, new_tokens in max_new_tokens.items():
+            total = prompt_length + new_tokens
+            if total > limit:
+                raise ConfigError(
+                    f"{prompt_label} + {sampling_field}: {prompt_length} + {new_tokens} = {total} tokens, "
+                    f"but {model_field} takes at most {limit} ({config_field} in its config); lower "
+                    f"data.max_prompt_length or {sampling_field} so that they sum to {limit} or less"
+                )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,9 @@ class CheckpointError(ConfigError):
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    """`torch.save` to a temporary file beside `path`, fsync, then atomically replace `path`."""
+    """`torch.save` to a temporary file beside `path`, fsync, then atomically replace `path`.
+
+    A failed write (a full disk) leaves `path` as it was and raises an `OSError` naming it."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}{TMP_MARKER}{os.getpid()}"
@@ -47,9 +50,15 @@ def atomic_torch_save(obj: Any, path: str) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(err, (OSError, RuntimeError)) and _is_write_failure(err):
+            raise OSError(
+                f"checkpoint {path}: writing it failed ({_first_line(err)}); the disk may be full (or the folder "
+                f"not writable). The previous {os.path.basename(path)}, if any, is intact; free space and resume "
+                "from it"
+            ) from err
         raise
     try:  # make the rename itself durable
         fd = os.open(directory, os.O_RDONLY)
@@ -63,6 +72,47 @@ def atomic_torch_save(obj: Any, path: str) -> None:
         os.close(fd)
 
 
+def _is_write_failure(err: BaseException) -> bool:
+    """torch's serialiser reports a failed write as a RuntimeError ('PytorchStreamWriter failed writing file',
+    'unexpected pos'); the OS as an OSError (ENOSPC, EDQUOT, EIO, ...)."""
+    text = str(err)
+    return isinstance(err, OSError) or "PytorchStreamWriter failed" in text or "unexpected pos" in text
+
+
+def unreadable_reason(path: str) -> str | None:
+    """Why the file at `path` cannot be a torch checkpoint, judged from its bytes (None: it may be one).
+
+    `torch.save` writes a zip archive (or, in its legacy format, a pickle starting with byte 0x80); torch's own
+    errors for an empty or foreign file are an empty `EOFError` or a `KeyError`."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return (
+            "the file is empty (0 bytes): truncated, by a process killed while writing it or by a full disk. Resume "
+            "from an earlier checkpoint, or start afresh"
+        )
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+    if head.startswith(b"PK"):
+        if zipfile.is_zipfile(path):
+            return None
+        return (
+            f"truncated or not a torch checkpoint (a zip archive of {size} bytes without its end); was the process "
+            "killed while writing it? Resume from an earlier checkpoint"
+        )
+    if head.startswith(b"\x80"):
+        return None
+    return f"not a torch checkpoint (torch.save writes a zip archive; this file starts with {head!r})"
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Raise a `CheckpointError` naming `path` if it is missing, empty, truncated or not a torch checkpoint."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    reason = unreadable_reason(path)
+    if reason is not None:
+        raise CheckpointError(f"checkpoint {path}: {reason}")
+
+
 def write_checkpoint(obj: Any, handle) -> None:
     """Serialise `obj` into an open binary file (a seam for tests that slow the write down)."""
     torch.save(obj, handle)
@@ -70,8 +120,7 @@ def write_checkpoint(obj: Any, handle) -> None:
 
 def load_checkpoint_file(path: str, map_location: Any = None, weights_only: bool = True) -> dict[str, Any]:
     """`torch.load` with weights_only on by default, and errors that name the file and the likely cause."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Checkpoint file not found: {path}")
+    check_checkpoint_file(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError, LRSchedule, check_precision
+from lit_rlhf.training.run_folder import RunFolderGuard
 from lit_rlhf.training.state import TrainingState
 
 
@@ -54,6 +55,15 @@ def non_finite(stats: dict[str, float], grad_norm: float) -> dict[str, float]:
     return bad
 
 
+def non_finite_parameters(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[str]:
+    """The names of the parameters holding a NaN or an infinity (one device sync for all of them)."""
+    named = list(named_parameters)
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu()
+    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+
+
 def single_optimizer(optimizers: Any) -> LightningOptimizer:
     """`LightningModule.optimizers()` narrowed to the one optimizer the manual update loop steps."""
     if not isinstance(optimizers, LightningOptimizer):
@@ -85,10 +95,15 @@ class ManualOptimization(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         check_precision(str(self.trainer.precision))
+        if stage == "fit":  # after the ModelCheckpoints resolved their folders, before any model loads
+            trainer: Any = self.trainer
+            for guard in (c for c in trainer.callbacks if isinstance(c, RunFolderGuard)):
+                guard.acquire(trainer)
 
     def configure_callbacks(self) -> list[Any]:
-        """Refuse the Trainer's own clipping and accumulation (Lightning's checks run next, with advice that
-        does not apply here), naming this module's settings for the same thing."""
+        """A `RunFolderGuard` (one run per checkpoint folder, `last.ckpt` saved on SIGTERM). Refuse the Trainer's
+        own clipping and accumulation (Lightning's checks run next, with advice that does not apply here), naming
+        this module's settings for the same thing."""
         trainer = self.trainer
         if trainer.gradient_clip_val:
             raise ConfigError(
@@ -101,7 +116,7 @@ class ManualOptimization(L.LightningModule):
                 "loop; for less memory per forward set model.algorithm.micro_batch_size (gradients accumulate over "
                 "a minibatch), for more rollout per optimizer step raise data.batch_size or lower num_minibatches"
             )
-        return []
+        return [RunFolderGuard()]
 
     def configure_optimizers(self) -> Any:
         """AdamW over the trainable parameters, with linear warm-up, then constant, linear or cosine decay to the
@@ -142,7 +157,8 @@ class ManualOptimization(L.LightningModule):
         gradient norm.
 
         A non-finite loss or gradient norm skips the step (weights unchanged, counted); after
-        `max_consecutive_skips` skips in a row training stops with an error naming what went non-finite.
+        `max_consecutive_skips` skips in a row training stops with an error naming what went non-finite. A step
+        that leaves a weight non-finite stops training at once (`check_parameters_finite`).
         """
         optimizer = single_optimizer(self.optimizers())
         norm = gradient_norm(self.trainable_parameters())
@@ -156,9 +172,22 @@ class ManualOptimization(L.LightningModule):
             self.clip_gradients(optimizer.optimizer, self.algorithm.max_grad_norm, "norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.check_parameters_finite(optimizer)
         self.state.policy_version += 1
         self.step_schedulers("step", self.state.policy_version, plateau=False)
         return norm
+
+    def check_parameters_finite(self, optimizer: LightningOptimizer) -> None:
+        """Stop if the step just taken made a weight non-finite (finite gradients, but a learning rate or a custom
+        optimizer that overflows): every later rollout would be garbage. No checkpoint holds the broken weights."""
+        bad = non_finite_parameters((n, p) for n, p in self.named_parameters() if p.requires_grad)
+        if bad:
+            lr = optimizer.param_groups[0]["lr"]
+            raise FloatingPointError(
+                f"after optimizer step {self.state.policy_version + 1} (learning rate {lr:g}), {len(bad)} parameter "
+                f"tensors hold NaN or inf, first {bad[0]}; the gradients were finite, so the step itself overflowed. "
+                "Lower model.lr (or check a custom optimizer) and resume from the last checkpoint"
+            )
 
     def on_train_epoch_end(self) -> None:
         self.step_schedulers("epoch", self.current_epoch + 1, plateau=False)

@@ -267,7 +267,7 @@ def _(env):
     AlgorithmConfig(name="ppo", kl_coef=-0.1)
 
 
-@case("clip-eps-not-positive", ConfigError, "algorithm.clip_eps_low/high: must be > 0")
+@case("clip-eps-not-positive", ConfigError, "algorithm.clip_eps_low: must be > 0")
 def _(env):
     AlgorithmConfig(name="ppo", clip_eps_low=0.0)
 

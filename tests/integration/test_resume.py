@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from conftest import checksum
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
+from lit_rlhf.training.run_folder import LOCK_NAME
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 ROOT = Path(__file__).resolve().parents[2]
@@ -318,7 +319,7 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_loadable(
         proc.stderr.close()
     assert marker.read_text() == "3"
     ckpt_dir = tmp_path / "checkpoints"
-    files = sorted(os.listdir(ckpt_dir))
+    files = sorted(f for f in os.listdir(ckpt_dir) if f != LOCK_NAME)
     partial = [f for f in files if f != "last.ckpt"]
     assert files[0] == "last.ckpt" and len(partial) == 1 and partial[0].startswith("last.ckpt.tmp-")
     # the previous checkpoint is whole and loads weights-only
