@@ -53,11 +53,19 @@ def compute_advantages(
     """Advantages (B, T) and returns (B, T) or None.
 
     PPO: token rewards = score at the last token - beta*KL (when the KL is in the reward), then GAE, then
-    whitening. GRPO family: group-normalised scores (or KL-penalised sequence rewards) broadcast over tokens.
+    whitening. REINFORCE++: the same token rewards (from group-centred scores for the baseline variant), their
+    discounted returns whitened over the batch. GRPO family: group-normalised scores (or KL-penalised sequence
+    rewards) broadcast over tokens.
     """
     maskf = mask.float()
     kl_in_reward = kl if (kl is not None and algo.kl_in_reward) else torch.zeros_like(maskf)
     kl_coef = algo.filled.kl_coef
+    group_size = algo.filled.group_size
+    if algo.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        if algo.advantage_estimator == "reinforce_pp_baseline":
+            scores = losses.group_advantages(scores, group_size, "dr_grpo")  # s - group mean; 0 for a tied group
+        rewards = losses.token_rewards(scores, kl_in_reward, mask, kl_coef)
+        return losses.reinforce_pp_advantages(rewards, mask, algo.gamma), None
     rewards = losses.token_rewards(scores, kl_in_reward, mask, kl_coef)  # (B, T)
     if algo.advantage_estimator == "gae":
         if values is None:
@@ -67,7 +75,6 @@ def compute_advantages(
             advantages = losses.masked_whiten(advantages, mask)
         return advantages, returns
     seq_scores = rewards.sum(dim=1) if algo.kl_in_reward else scores.float()  # (B,)
-    group_size = algo.filled.group_size
     estimator = algo.filled.advantage_estimator
     per_seq = losses.group_advantages(seq_scores, group_size, estimator, algo.group_eps)
     return per_seq[:, None] * maskf, None
@@ -101,6 +108,9 @@ def make_experience(
     else:
         advantages, returns = advantages_of(rollout, kl, policy.values)
     loss_mask = rollout.response_mask & ~(rollout.truncated[:, None] & algo.mask_truncated)
+    if algo.entropy_top_fraction is not None:  # over the whole rollout, so every micro-batch sees the same tokens
+        entropy = losses.entropy_from_logits(policy.logits, temperature)
+        loss_mask = losses.top_entropy_mask(entropy, loss_mask, algo.entropy_top_fraction)
     fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
     return Experience(
         **fields,
@@ -112,3 +122,16 @@ def make_experience(
         values=policy.values,
         returns=returns,
     )
+
+
+def shaping_metrics(exp: Experience, algo: AlgorithmConfig, max_new_tokens: int) -> dict[str, float]:
+    """Metrics of the settings that reshape scores or the loss mask (empty when none is on)."""
+    metrics: dict[str, float] = {}
+    if algo.overlong_buffer is not None:
+        lengths = exp.response_mask.sum(1)
+        penalty = losses.overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        metrics["rollout/overlong_penalty_mean"] = float(penalty.mean())
+    if algo.entropy_top_fraction is not None:
+        candidates = exp.response_mask & ~(exp.truncated[:, None] & algo.mask_truncated)
+        metrics["policy/entropy_selected_frac"] = float(exp.loss_mask.sum() / candidates.sum().clamp(min=1))
+    return metrics

@@ -7,11 +7,14 @@ Every per-token tensor is on the (B, T) response grid and `mask` is True on vali
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 GROUP_ESTIMATORS = ("grpo", "batch_std", "dr_grpo", "rloo")
+RATIO_LEVELS = ("token", "sequence", "sequence_token")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 # Rows of (B*T, V) logits converted to float32 at a time; bounds the float32 working copy.
@@ -214,7 +217,71 @@ def group_advantages(scores: Tensor, group_size: int, estimator: str = "grpo", e
     return out.reshape(-1)
 
 
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_{t+1} over each row's valid tokens (0 after the last one): (B, T) -> (B, T).
+
+    Zero outside the mask; masked positions are assumed to come after all valid ones (right padding).
+    """
+    rewards = torch.where(mask.bool(), rewards.float(), 0.0)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return torch.where(mask.bool(), returns, 0.0)
+
+
+def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """REINFORCE++ ([Hu 2025](https://arxiv.org/abs/2501.03262)): the discounted returns of the token rewards,
+    whitened over the valid tokens of the whole batch (no critic, no group): (B, T) -> (B, T), 0 outside the mask.
+    """
+    return masked_whiten(discounted_returns(rewards, mask, gamma), mask)
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft over-long punishment ([Yu et al. 2025](https://arxiv.org/abs/2503.14476), eq. 13): (B,) -> (B,).
+
+    0 for lengths <= max_len - buffer, then falling linearly to -penalty at max_len (and staying there beyond).
+    """
+    excess = (lengths.float() - (max_len - buffer)) / buffer
+    return -penalty * excess.clamp(min=0.0, max=1.0)
+
+
+def top_entropy_mask(entropy: Tensor, mask: Tensor, fraction: float) -> Tensor:
+    """The highest-entropy `fraction` of the valid tokens ([Wang et al. 2025](https://arxiv.org/abs/2506.01939)).
+
+    entropy, mask (B, T) -> (B, T) bool: mask & (entropy >= the k-th largest valid entropy), k = ceil(fraction * n)
+    of the n valid tokens of the whole tensor; every token tied with the k-th is kept. All False when n = 0.
+    """
+    valid = entropy[mask.bool()]  # (n,)
+    if valid.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    k = max(1, math.ceil(fraction * valid.numel() - 1e-9))
+    threshold = torch.topk(valid.float(), k).values[-1]
+    return mask.bool() & (entropy.float() >= threshold)
+
+
 # ----------------------------------------------------------------------------- losses
+
+
+def policy_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """The log of the importance ratio on every token: (B, T) x3 -> (B, T).
+
+    token           log pi - log pi_old                                                    (PPO)
+    sequence        log s_i = mean over row i's valid tokens of (log pi - log pi_old), on every token
+                    (GSPO, [Zheng et al. 2025](https://arxiv.org/abs/2507.18071), eq. 7)
+    sequence_token  sg[log s_i] + log pi - sg[log pi]: the value of log s_i, each token's own gradient (GSPO-token)
+    A row without valid tokens has log s_i = 0.
+    """
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return log_ratio
+    seq = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(log_ratio)  # (B, T)
+    if level == "sequence":
+        return seq
+    if level == "sequence_token":
+        return seq.detach() + logprobs - logprobs.detach()
+    raise ValueError(f"unknown ratio level {level!r}; choose one of {RATIO_LEVELS}")
 
 
 def clipped_policy_loss(

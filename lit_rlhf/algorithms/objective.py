@@ -54,9 +54,11 @@ def ppo_objective(
     def token_share(per_token: Tensor) -> float:
         return float(losses.masked_sum(per_token.detach().float(), mask) / totals.tokens)
 
+    # the ratio at `ratio_level` (per token, or GSPO's per sequence), given as a log-ratio against a zero "old"
+    ratio_log = losses.policy_log_ratio(current.logprobs, mb.old_logprobs, mask, algo.ratio_level)
     policy_tokens, clipped = losses.clipped_policy_loss(
-        current.logprobs,
-        mb.old_logprobs,
+        ratio_log,
+        ratio_log.new_zeros(()).expand_as(ratio_log),
         mb.advantages,
         algo.clip_eps_low,
         algo.filled.clip_eps_high,
@@ -69,7 +71,7 @@ def ppo_objective(
         "policy/loss": float(policy_loss.detach()),
         "policy/clipfrac": token_share(clipped.float()),
         "policy/approx_kl": token_share(0.5 * log_ratio**2),
-        "policy/ratio_mean": token_share(log_ratio.exp()),
+        "policy/ratio_mean": token_share(ratio_log.detach().exp()),
     }
     if current.values is not None:
         if mb.values is None or mb.returns is None:

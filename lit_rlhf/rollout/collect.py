@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_rlhf.algorithms.losses import overlong_penalty
 from lit_rlhf.config import SamplingConfig
 from lit_rlhf.rollout.generation import Generation, decode_responses, generate
 from lit_rlhf.types import PromptBatch, Rollout
@@ -34,9 +35,11 @@ def collect_rollout(
     sampling: SamplingConfig,
     truncated_score: float | None = None,
     policy_version: int = 0,
+    overlong: tuple[int, float] | None = None,
 ) -> tuple[Rollout, RolloutTimings]:
     """Generate `group_size` responses per prompt (on the policy's device), decode and score them into a
-    `Rollout`; responses that hit the length limit score `truncated_score` when it is given."""
+    `Rollout`; responses that hit the length limit score `truncated_score` when it is given. `overlong`:
+    (buffer, penalty) of DAPO's over-long shaping, added to every score after that."""
     timings = RolloutTimings()
     device = next(policy.parameters()).device
     prompts = prompts.to(device)
@@ -53,6 +56,8 @@ def collect_rollout(
     scores = score(prompt_texts, responses, meta, gen).to(device).float()
     if truncated_score is not None:
         scores = torch.where(gen.truncated, torch.full_like(scores, truncated_score), scores)
+    if overlong is not None:
+        scores = scores + overlong_penalty(gen.response_mask.sum(1), sampling.max_new_tokens, *overlong)
     timings.score_s = time.perf_counter() - start
     rollout = Rollout(
         prompt_ids=gen.prompt_ids,

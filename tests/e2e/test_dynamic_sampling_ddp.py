@@ -1,0 +1,99 @@
+"""Dynamic sampling under DDP on two CPU processes (gloo): the ranks may take different numbers of sampling rounds
+in a step without waiting for each other (no collective between rounds), every rank trains B0 x G rows, each rank
+refills from its own prompts, and the weights stay identical on both ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow  # end-to-end: two processes
+
+ROLLOUTS, B0, G = 4, 2, 4
+
+SCRIPT = textwrap.dedent(
+    f"""
+    import json, sys
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from conftest import checksum
+    from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+
+    class Record(Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.rows.append({{
+                "rounds": pl_module.step_metrics["rollout/sampling_rounds"],
+                "size": pl_module.last_size,
+                "prompts": pl_module.last_prompts,
+                "checksum": checksum(pl_module.actor_critic),
+            }})
+
+    L.seed_everything(0)
+    algorithm = AlgorithmConfig(group_size={G}, num_minibatches=2, kl_coef=0.0, dynamic_sampling=True)
+    module = RLHFModule(reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"], algorithm=algorithm,
+                        sampling=SamplingConfig(max_new_tokens=4), lr=1e-2)
+
+    def on_experience(experience):
+        module.last_size, module.last_prompts = experience.batch_size, sorted(set(experience.prompts))
+
+    module.on_experience = on_experience
+    data = RolloutDataModule(prompts="builtin:digits", batch_size={B0}, max_prompt_length=16)
+    record = Record()
+    trainer = L.Trainer(max_steps={ROLLOUTS} * 2, accelerator="cpu", devices=2, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[record])
+    trainer.fit(module, data)
+    with open(f"rank{{trainer.global_rank}}.json", "w") as handle:
+        json.dump(record.rows, handle)
+    """
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ranks_refill_independently_without_a_collective_and_stay_in_sync(tmp_path):
+    (tmp_path / "run.py").write_text(SCRIPT)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "run.py"],
+            env=dict(env, LOCAL_RANK=str(rank)),
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        stderr = [proc.communicate(timeout=240)[1] for proc in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("the DDP run did not finish in time (a collective waiting on a rank still sampling?)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], stderr[0][-3000:] + stderr[1][-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [len(rows) for rows in ranks] == [ROLLOUTS, ROLLOUTS]
+    assert all(row["size"] == B0 * G for rows in ranks for row in rows)
+    # the case that would deadlock with a collective inside the refill loop happened
+    assert any(a["rounds"] != b["rounds"] for a, b in zip(*ranks, strict=True))
+    for a, b in zip(*ranks, strict=True):
+        assert a["checksum"] == b["checksum"]  # one update on both ranks
+        assert not set(a["prompts"]) & set(b["prompts"])  # each rank refills from its own share
