@@ -51,6 +51,8 @@ class Rollout:
     responses: list[str] = field(default_factory=list)  # B decoded responses
     meta: dict[str, list[Any]] = field(default_factory=dict)  # extra prompt columns, each a list of B
     policy_version: int = 0  # number of optimizer updates the sampling policy had seen
+    # (B, T) bool: response tokens that are attended but not the policy's (a multi-turn environment's); None: none
+    context_mask: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -65,8 +67,9 @@ class Rollout:
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
     def attention_mask(self) -> Tensor:
-        """Attention over prompt (minus left padding) and response (up to its EOS): (B, P+T)."""
-        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+        """Attention over prompt (minus left padding) and response (up to its EOS, environment tokens too): (B, P+T)."""
+        attended = self.response_mask if self.context_mask is None else self.response_mask | self.context_mask
+        return torch.cat([self.prompt_mask, attended.long()], dim=1)
 
     def select(self, index: Tensor | slice) -> Self:
         """The rows `index` of every tensor (and per-row list) field."""
