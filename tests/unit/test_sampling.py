@@ -260,7 +260,7 @@ def test_lean_generation_marks_eos_and_truncation():
     batch = PromptBatch(
         input_ids=torch.tensor([[7, 7]]), attention_mask=torch.ones(1, 2, dtype=torch.long), texts=["x"]
     )
-    sampling = SamplingConfig(backend="lean", max_new_tokens=3)
+    sampling = SamplingConfig(backend="lean", max_new_tokens=3, share_prefill=False)  # the stub keeps no cache
     stub.stop = torch.tensor([2, 99])  # group of 2 copies of the one prompt: the first ends, the second runs out
     gen = generate(stub, batch, 2, sampling, eos_token_id=1, pad_token_id=0)
     assert gen.response_ids.tolist() == [[5, 1, 0], [5, 5, 5]]
