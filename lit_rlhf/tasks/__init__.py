@@ -5,5 +5,7 @@ Nothing in the rest of the package imports from here: `builtin:<name>` settings 
 (`lit_rlhf.tasks.digits.sort_digits_reward`).
 
 - `digits`: sort a short string of digits (the offline default: tokenizer, GPT-2, prompts, reward, preferences).
-- `chat`: reward functions and prompt sets for real chat models (VADER sentiment, arithmetic).
+- `chat`: the VADER sentiment reward and its prompt set for real chat models.
+- `arithmetic`, `word_problems`, `countdown`: verifiable tasks (rewards in `lit_rlhf.rewards.verifiable`), sharing
+  `text` (row format, char tokenizer, tiny GPT-2) and `expression` (a safe arithmetic parser).
 """

@@ -36,14 +36,13 @@ def builtin_tokenizer():
     return tokenizer
 
 
-def builtin_policy(n_layer: int = 2, n_embd: int = 128, n_head: int = 4):
-    """A from-scratch GPT-2 small enough for a CPU (about 400k parameters), no dropout."""
+def tiny_gpt2(tokenizer: Any, n_layer: int, n_embd: int, n_head: int, n_positions: int):
+    """A from-scratch GPT-2 over `tokenizer`'s vocabulary (its EOS as BOS, its pad token), no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    tokenizer = builtin_tokenizer()
     config = GPT2Config(
         vocab_size=len(tokenizer),
-        n_positions=64,
+        n_positions=n_positions,
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,
@@ -55,6 +54,11 @@ def builtin_policy(n_layer: int = 2, n_embd: int = 128, n_head: int = 4):
         pad_token_id=tokenizer.pad_token_id,
     )
     return GPT2LMHeadModel(config)
+
+
+def builtin_policy(n_layer: int = 2, n_embd: int = 128, n_head: int = 4):
+    """A from-scratch GPT-2 small enough for a CPU (about 400k parameters), no dropout."""
+    return tiny_gpt2(builtin_tokenizer(), n_layer, n_embd, n_head, n_positions=64)
 
 
 def sort_digits_prompts(seed: int = 0, min_digits: int = 3, max_digits: int = 5) -> Iterator[dict[str, Any]]:

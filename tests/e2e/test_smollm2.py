@@ -11,24 +11,36 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 
 import pytest
 
-from lit_rlhf.tasks.chat import arithmetic_reward, chatml, last_integer, vader_sentiment_reward
+from lit_rlhf.rewards.verifiable import exact_answer
+from lit_rlhf.tasks.chat import vader_sentiment_reward
 
 pytestmark = pytest.mark.slow  # end-to-end: a real fit, several processes or a pretrained model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_arithmetic_reward_reads_the_last_integer():
-    responses = ["7", "3 + 4 = 7", "The answer is 7.", "7 or 8", "seven", "", "-3", "17"]
-    answers = [7, 7, 7, 7, 7, 7, -3, 7]
-    assert arithmetic_reward([""] * 8, responses, answer=answers) == [1, 1, 1, 0, 0, 0, 1, 0]
-    assert last_integer("12 and 345") == 345 and last_integer("none") is None
-    with pytest.raises(ValueError, match="answer"):
-        arithmetic_reward(["q"], ["1"])
+def read_rows(name: str) -> list[dict]:
+    with open(os.path.join(ROOT, "configs", "prompts", name)) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_arithmetic_prompt_files_hold_right_answers_and_disjoint_held_out_problems():
+    train, val = read_rows("smollm2_arithmetic_train.jsonl"), read_rows("smollm2_arithmetic_val.jsonl")
+    assert len(val) == 200 and len(train) == 12 * 12 * 3 - 200  # every problem, each in one file
+    questions = {row["messages"][0]["content"] for row in train}
+    assert not questions & {row["messages"][0]["content"] for row in val}  # nothing held out is trained on
+    for row in train + val:
+        question = row["messages"][0]["content"]
+        a, op, b = re.fullmatch(r"Calculate (\d+) ([-+*]) (\d+)\. Answer with just the number\.", question).groups()
+        assert 1 <= int(a) <= 12 and 1 <= int(b) <= 12
+        assert int(row["answer"]) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    replies = [f"{row['answer']}." for row in val]
+    assert exact_answer(["p"] * len(val), replies, answer=[row["answer"] for row in val]) == [1.0] * len(val)
 
 
 def test_vader_sentiment_reward_orders_replies():
@@ -37,13 +49,14 @@ def test_vader_sentiment_reward_orders_replies():
     assert scores[0] > 0.5 and scores[1] == 0.0 and scores[2] < -0.3
 
 
-def test_prompt_files_are_chatml_for_smollm2():
-    for name, columns in (("smollm2_topics.jsonl", {"prompt"}), ("smollm2_arithmetic.jsonl", {"prompt", "answer"})):
-        with open(os.path.join(ROOT, "configs", "prompts", name)) as handle:
-            rows = [json.loads(line) for line in handle]
+def test_prompt_files_are_chat_rows_with_one_user_turn():
+    arithmetic_columns = {"messages", "answer", "answer_format"}
+    files = [("smollm2_topics.jsonl", {"messages"})]
+    files += [(f"smollm2_arithmetic_{part}.jsonl", arithmetic_columns) for part in ("train", "val")]
+    for name, columns in files:
+        rows = read_rows(name)
         assert rows and all(set(row) == columns for row in rows)
-        assert all(row["prompt"].startswith("<|im_start|>system\n") for row in rows)
-        assert all(row["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n") for row in rows)
+        assert all([m["role"] for m in row["messages"]] == ["user"] for row in rows)
 
 
 # ----------------------------------------------------------------------------- SmolLM2 itself
@@ -75,11 +88,14 @@ def test_prepared_folder_is_a_plain_checkpoint(smollm2_folder):
     assert 130e6 < sum(p.numel() for p in model.parameters()) < 140e6
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder)
     assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == 49152
-    # the prompt files were written for exactly this chat template
+    # the chat template the prompt files' messages go through
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi."}], tokenize=False, add_generation_prompt=True
     )
-    assert rendered == chatml("Hi.")
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"
+    )
     print(f"reloaded the prepared checkpoint in {seconds:.1f} s")
 
 
