@@ -5,12 +5,15 @@ PPO and GRPO are one code path: `AlgorithmConfig.name` only fills in the setting
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 Algorithm = Literal["ppo", "grpo"]
-AdvantageEstimator = Literal["gae", "grpo", "batch_std", "dr_grpo", "rloo"]
+AdvantageEstimator = Literal["gae", "grpo", "batch_std", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+RatioLevel = Literal["token", "sequence", "sequence_token"]
 KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 SamplingBackend = Literal["lean", "generate"]
@@ -32,6 +35,62 @@ class ConfigError(ValueError):
 def _require(condition: bool, field: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{field}: {message}")
+
+
+def _must(field: str, value: Any, what: str, fix: str) -> ConfigError:
+    return ConfigError(f"{field}: must be {what}, got {value!r}" + (f"; {fix}" if fix else ""))
+
+
+def _range(kind: str, low: float | None, high: float | None, low_open: bool, high_open: bool, optional: bool) -> str:
+    """'>= 0 (a finite number) or None', 'in (0, 1] (a finite number)', 'a finite number'."""
+    if low is not None and high is not None:
+        bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'} ({kind})"
+    elif low is not None:
+        bounds = f"{'>' if low_open else '>='} {low:g} ({kind})"
+    elif high is not None:
+        bounds = f"{'<' if high_open else '<='} {high:g} ({kind})"
+    else:
+        bounds = kind
+    return bounds + (" or None" if optional else "")
+
+
+def check_float(
+    value: Any,
+    field: str,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    fix: str = "",
+) -> None:
+    """Raise unless `value` is a finite real number (not a bool, not a string) within the bounds (open or closed);
+    None passes when `optional`."""
+    if value is None and optional:
+        return
+    what = _range("a finite number", low, high, low_open, high_open, optional)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        raise _must(field, value, what, fix)
+    number = float(value)
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if too_low or too_high:
+        raise _must(field, value, what, fix)
+
+
+def check_int(value: Any, field: str, low: int, *, optional: bool = False, fix: str = "") -> None:
+    """Raise unless `value` is an integer (not a bool, not a float) >= `low`; None passes when `optional`."""
+    if value is None and optional:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        raise _must(field, value, _range("an integer", low, None, False, False, optional), fix)
+
+
+def check_bool(value: Any, field: str) -> None:
+    """Raise unless `value` is True or False (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise _must(field, value, "true or false", "")
 
 
 def resolved(value: _T | None, field: str) -> _T:
@@ -74,7 +133,8 @@ class AlgorithmConfig:
     group_size: int | None = None
     """Responses sampled per prompt (G). PPO default 1, GRPO default 8 (GRPO needs at least 2)."""
     advantage_estimator: AdvantageEstimator | None = None
-    """'gae' (needs the critic), or a group estimator: 'grpo', 'batch_std', 'dr_grpo', 'rloo'."""
+    """'gae' (needs the critic), a group estimator: 'grpo', 'batch_std', 'dr_grpo', 'rloo', or REINFORCE++:
+    'reinforce_pp' (returns whitened over the batch) or 'reinforce_pp_baseline' (group mean subtracted first)."""
     kl_coef: float | None = None
     """Weight beta of the KL to the reference policy (PPO 0.05, GRPO 0.04). 0 skips the reference model."""
     kl_estimator: KLEstimator | None = None
@@ -87,6 +147,9 @@ class AlgorithmConfig:
     """Optimizer steps per pass; the rollout is split into this many minibatches."""
     micro_batch_size: int | None = None
     """Rows per forward/backward; gradients accumulate over a minibatch. None: the whole minibatch."""
+    micro_batch_tokens: int | None = None
+    """Token budget per forward/backward instead of a row count: rows sorted by length, each micro-batch as many
+    as fit rows x (its longest prompt + its longest response) <= this; padding columns are cut. None: off."""
     clip_eps_low: float = 0.2
     """Lower ratio clip: the ratio is clipped at 1 - clip_eps_low (1 or more: no lower clip)."""
     clip_eps_high: float | None = None
@@ -115,6 +178,23 @@ class AlgorithmConfig:
     """Clip the gradient norm of each optimizer step to this. None: no clipping."""
     group_eps: float = 1e-6
     """Added to the standard deviation in group normalisation."""
+    ratio_level: RatioLevel = "token"
+    """Importance ratio: 'token' (PPO), 'sequence' (GSPO: exp of the mean token log-ratio of the response, clipped
+    per sequence) or 'sequence_token' (GSPO-token: the sequence ratio's value, each token's gradient)."""
+    overlong_buffer: int | None = None
+    """DAPO over-long shaping: responses longer than max_new_tokens - overlong_buffer tokens lose up to
+    overlong_penalty from their score, linearly, reaching it at max_new_tokens. None: off."""
+    overlong_penalty: float = 1.0
+    """The score lost by a response of max_new_tokens tokens under over-long shaping."""
+    entropy_top_fraction: float | None = None
+    """Train only on this fraction of the rollout's valid tokens with the highest sampling-policy entropy
+    (ties at the threshold all kept). None: every token."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose scores all tie (exactly equal: zero group advantage) and sample
+    more prompts until the batch is full again (group estimators only; docs/design.md#dynamic-sampling)."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling's rounds per step, the first included; a batch still short after them is topped up
+    with tied groups."""
 
     def __post_init__(self) -> None:
         check_choice(self.name, Algorithm, "algorithm.name")
@@ -125,36 +205,82 @@ class AlgorithmConfig:
             self.clip_eps_high = self.clip_eps_low
         check_choice(self.advantage_estimator, AdvantageEstimator, "algorithm.advantage_estimator")
         check_choice(self.kl_estimator, KLEstimator, "algorithm.kl_estimator")
-        group_size = resolved(self.group_size, "algorithm.group_size")
-        _require(group_size >= 1, "algorithm.group_size", f"must be >= 1, got {self.group_size}")
-        if self.advantage_estimator != "gae":
+        self._check_numbers()
+        if self.advantage_estimator not in ("gae", "reinforce_pp"):
             _require(
-                group_size >= 2,
+                resolved(self.group_size, "algorithm.group_size") >= 2,
                 "algorithm.group_size",
                 f"the group estimator {self.advantage_estimator!r} needs at least 2 responses per prompt, "
                 f"got {self.group_size}; set algorithm.group_size to 2 or more (8 is usual)",
             )
-        _require(self.ppo_epochs >= 1, "algorithm.ppo_epochs", f"must be >= 1, got {self.ppo_epochs}")
-        _require(self.num_minibatches >= 1, "algorithm.num_minibatches", f"must be >= 1, got {self.num_minibatches}")
-        _require(
-            self.micro_batch_size is None or self.micro_batch_size >= 1,
-            "algorithm.micro_batch_size",
-            f"must be >= 1 or None, got {self.micro_batch_size}",
-        )
-        kl_coef = resolved(self.kl_coef, "algorithm.kl_coef")
-        _require(kl_coef >= 0, "algorithm.kl_coef", f"must be >= 0, got {self.kl_coef}")
-        clip_eps_high = resolved(self.clip_eps_high, "algorithm.clip_eps_high")
-        _require(self.clip_eps_low > 0 and clip_eps_high > 0, "algorithm.clip_eps_low/high", "must be > 0")
-        _require(
-            self.dual_clip is None or self.dual_clip > 1,
-            "algorithm.dual_clip",
-            f"must be > 1 or None, got {self.dual_clip}",
-        )
-        _require(self.value_clip is None or self.value_clip > 0, "algorithm.value_clip", "must be > 0 or None")
-        _require(self.max_grad_norm is None or self.max_grad_norm > 0, "algorithm.max_grad_norm", "must be > 0 or None")
-        _require(0 <= self.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {self.gamma}")
-        _require(0 <= self.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {self.lam}")
         check_choice(self.loss_aggregation, LossAggregation, "algorithm.loss_aggregation")
+        check_choice(self.ratio_level, RatioLevel, "algorithm.ratio_level")
+        check_int(self.overlong_buffer, "algorithm.overlong_buffer", 1, optional=True, fix="None turns shaping off")
+        check_float(self.overlong_penalty, "algorithm.overlong_penalty", 0, low_open=True, fix="1.0 is DAPO's")
+        check_float(
+            self.entropy_top_fraction,
+            "algorithm.entropy_top_fraction",
+            0,
+            1,
+            low_open=True,
+            optional=True,
+            fix="0.2 is usual; None trains on every token",
+        )
+        self._check_dynamic_sampling()
+
+    def _check_dynamic_sampling(self) -> None:
+        check_bool(self.dynamic_sampling, "algorithm.dynamic_sampling")
+        check_int(self.max_sampling_rounds, "algorithm.max_sampling_rounds", 1, fix="3 is usual; 1: no refill")
+        if not self.dynamic_sampling:
+            return
+        _require(
+            self.advantage_estimator in ("grpo", "batch_std", "dr_grpo", "rloo"),
+            "algorithm.dynamic_sampling",
+            "drops groups of tied scores, which get zero advantage only from a group-normalising estimator, not "
+            f"{self.advantage_estimator!r}; set algorithm.advantage_estimator to 'grpo' (or 'rloo', 'dr_grpo', "
+            "'batch_std'), or dynamic_sampling: false",
+        )
+        _require(
+            not (self.kl_in_reward and resolved(self.kl_coef, "algorithm.kl_coef") > 0),
+            "algorithm.dynamic_sampling",
+            "a tie is decided on the scores, but with kl_in_reward: true the KL changes a tied group's advantages; "
+            "set algorithm.kl_in_reward: false (the KL in the loss, GRPO's default) or kl_coef: 0",
+        )
+
+    def _check_numbers(self) -> None:
+        """Type (a bool is not a number, a string is not a float), finiteness and range of every numeric setting."""
+        for field in ("group_size", "ppo_epochs", "num_minibatches"):
+            check_int(getattr(self, field), f"algorithm.{field}", 1)
+        check_int(
+            self.micro_batch_size, "algorithm.micro_batch_size", 1, optional=True, fix="None: the whole minibatch"
+        )
+        check_int(self.micro_batch_tokens, "algorithm.micro_batch_tokens", 1, optional=True, fix="None: off")
+        _require(
+            self.micro_batch_tokens is None or self.micro_batch_size is None,
+            "algorithm.micro_batch_tokens",
+            f"set together with algorithm.micro_batch_size={self.micro_batch_size}; use one of the two",
+        )
+        check_float(self.kl_coef, "algorithm.kl_coef", 0, fix="0 turns the KL off")
+        check_bool(self.kl_in_reward, "algorithm.kl_in_reward")
+        check_float(self.clip_eps_low, "algorithm.clip_eps_low", 0, low_open=True, fix="0.2 is usual")
+        check_float(self.clip_eps_high, "algorithm.clip_eps_high", 0, low_open=True, optional=True, fix="0.28 is usual")
+        check_float(self.dual_clip, "algorithm.dual_clip", 1, low_open=True, optional=True, fix="3 is usual; None: off")
+        check_float(self.value_clip, "algorithm.value_clip", 0, low_open=True, optional=True, fix="None: plain MSE")
+        check_float(
+            self.vf_coef, "algorithm.vf_coef", 0, fix="a negative weight trains the critic away from the returns"
+        )
+        check_float(self.gamma, "algorithm.gamma", 0, 1, fix="1.0 (no discount) is usual")
+        check_float(self.lam, "algorithm.lam", 0, 1, fix="0.95 is usual")
+        check_bool(self.whiten_advantages, "algorithm.whiten_advantages")
+        check_float(self.entropy_coef, "algorithm.entropy_coef", 0, fix="0 turns the entropy bonus off")
+        check_float(self.truncated_score, "algorithm.truncated_score", optional=True)
+        check_bool(self.mask_truncated, "algorithm.mask_truncated")
+        check_float(
+            self.max_grad_norm, "algorithm.max_grad_norm", 0, low_open=True, optional=True, fix="None: no clipping"
+        )
+        check_float(
+            self.group_eps, "algorithm.group_eps", 0, low_open=True, fix="a group with equal scores divides by it; 1e-6"
+        )
 
     @property
     def filled(self) -> FilledSettings:
@@ -189,9 +315,23 @@ class AlgorithmConfig:
         gives the loss. Several passes, minibatches or micro-batches need the old log-probs of the whole
         rollout first, and so does the exact KL ('full'), which needs both full distributions.
         """
-        one_piece = self.micro_batch_size is None or self.micro_batch_size >= rollout_batch_size
+        by_rows = self.micro_batch_size is None or self.micro_batch_size >= rollout_batch_size
+        one_piece = by_rows and self.micro_batch_tokens is None  # a token budget may split the rollout
         full_kl = self.uses_reference and self.kl_estimator == "full"
         return not (self.single_pass and one_piece) or full_kl
+
+    @property
+    def overlong(self) -> tuple[int, float] | None:
+        """(overlong_buffer, overlong_penalty) when over-long shaping is on, else None."""
+        return None if self.overlong_buffer is None else (self.overlong_buffer, self.overlong_penalty)
+
+    def check_sampling(self, sampling: SamplingConfig) -> None:
+        """Raise if the over-long buffer does not fit in `sampling.max_new_tokens`."""
+        if self.overlong_buffer is not None and self.overlong_buffer > sampling.max_new_tokens:
+            raise ConfigError(
+                f"algorithm.overlong_buffer: {self.overlong_buffer} tokens is more than sampling.max_new_tokens "
+                f"({sampling.max_new_tokens}); choose at most {sampling.max_new_tokens} (a quarter of it is usual)"
+            )
 
     def check_batch(self, rollout_batch_size: int) -> None:
         """Raise if `rollout_batch_size` sequences do not split into minibatches and micro-batches."""
@@ -229,38 +369,48 @@ class SamplingConfig:
     backend: SamplingBackend = "lean"
     """'lean' (`lit_rlhf.rollout.sampler`: a minimal KV-cache loop, faster than generate for the same draws) or
     'generate' (Hugging Face generate). Both sample the same distribution (same tokens for the same seed)."""
+    share_prefill: bool = True
+    """'lean' backend: prefill each prompt once and repeat its KV cache for its group_size samples (same tokens
+    as prefilling every copy; the 'generate' backend always prefills every copy)."""
 
     def __post_init__(self) -> None:
-        _require(
-            self.max_new_tokens > 0,
-            "sampling.max_new_tokens",
-            f"must be > 0, got {self.max_new_tokens}; responses need at least one token",
-        )
-        _require(self.temperature > 0, "sampling.temperature", f"must be > 0, got {self.temperature}")
-        _require(self.top_k >= 0, "sampling.top_k", f"must be >= 0 (0 turns it off), got {self.top_k}")
-        _require(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        check_int(self.max_new_tokens, "sampling.max_new_tokens", 1, fix="responses need at least one token")
+        check_float(self.temperature, "sampling.temperature", 0, low_open=True, fix="1.0 samples the model as it is")
+        check_int(self.top_k, "sampling.top_k", 0, fix="0 turns it off")
+        check_float(self.top_p, "sampling.top_p", 0, 1, low_open=True, fix="1.0 turns it off")
+        check_bool(self.do_sample, "sampling.do_sample")
         check_choice(self.backend, SamplingBackend, "sampling.backend")
+        check_bool(self.share_prefill, "sampling.share_prefill")
 
 
-def check_module_settings(
-    lr: float,
-    lr_schedule: str,
-    warmup_steps: int,
-    max_consecutive_skips: int,
-    reward_model: Any,
-    reward_fns: Sequence[Any] | None,
-    sampling: SamplingConfig,
-) -> None:
-    """`RLHFModule`'s own settings, before any model loads."""
-    if lr <= 0:
-        raise ConfigError(f"model.lr: must be > 0, got {lr}")
-    check_choice(lr_schedule, LRSchedule, "model.lr_schedule")
-    if warmup_steps < 0:
-        raise ConfigError(f"model.warmup_steps: must be >= 0, got {warmup_steps}")
-    if max_consecutive_skips < 1:
-        raise ConfigError(f"model.max_consecutive_skips: must be >= 1, got {max_consecutive_skips}")
-    if reward_model is None and not reward_fns:
-        raise ConfigError("model.reward_fns / model.reward_model: give at least one reward function or a reward model")
+def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig) -> None:
+    """`RLHFModule`'s own settings, before any model loads. `arguments`: its constructor's arguments by name."""
+    a = arguments
+    check_float(a["lr"], "model.lr", 0, low_open=True, fix="1e-6 is usual for a language model")
+    check_float(a["weight_decay"], "model.weight_decay", 0, fix="0 turns it off")
+    betas = a["betas"]
+    if not isinstance(betas, Sequence) or isinstance(betas, str) or len(betas) != 2:
+        raise _must("model.betas", betas, "two numbers in [0, 1)", "(0.9, 0.999) is usual")
+    for beta in betas:
+        check_float(beta, "model.betas", 0, 1, high_open=True, fix="(0.9, 0.999) is usual")
+    check_int(a["warmup_steps"], "model.warmup_steps", 0, fix="0 turns it off")
+    check_choice(a["lr_schedule"], LRSchedule, "model.lr_schedule")
+    check_int(a["max_consecutive_skips"], "model.max_consecutive_skips", 1)
+    check_int(a["log_samples_every_n_steps"], "model.log_samples_every_n_steps", 0, fix="0 never logs samples")
+    check_int(a["val_samples_per_prompt"], "model.val_samples_per_prompt", 1)
+    for field in ("separate_critic", "gradient_checkpointing", "trust_remote_code"):
+        check_bool(a[field], f"model.{field}")
+    weights = a["reward_weights"]
+    if weights is not None and (not isinstance(weights, Sequence) or isinstance(weights, str)):
+        raise _must("model.reward_weights", weights, "a list of numbers (one per reward function) or None", "")
+    for weight in weights or ():
+        check_float(weight, "model.reward_weights", fix="give one finite weight per reward function")
+    check_float(a["reward_model_weight"], "model.reward_model_weight")
+    check_float(a["nan_score"], "model.nan_score", optional=True, fix="None: a NaN score is an error")
+    if a["reward_model"] is None and not a["reward_fns"] and a.get("environment") is None:
+        raise ConfigError(
+            "model.reward_fns / model.reward_model: give at least one reward function, a reward model or an environment"
+        )
     if not sampling.do_sample:
         raise ConfigError(
             "model.sampling.do_sample: training rollouts must sample (true); greedy decoding is for held-out "

@@ -19,6 +19,7 @@ from lit_rlhf.algorithms.experience import (
     make_experience,
     policy_forward,
     reference_logits,
+    shaping_metrics,
 )
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, LRSchedule, SamplingConfig, check_module_settings
@@ -31,15 +32,21 @@ from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn, callable_path, resolve_reward_fns
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
 from lit_rlhf.rollout.collect import collect_rollout
+from lit_rlhf.rollout.dynamic import dynamic_metrics, dynamic_rollout, refill_source
+from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
+from lit_rlhf.rollout.multi_turn import multi_turn_collector
 from lit_rlhf.training import metrics as logs
-from lit_rlhf.training.evaluation import HeldOutEvaluation
+from lit_rlhf.training.batching import micro_batches, padding_fraction
+from lit_rlhf.training.context_window import ContextWindowCheck
+from lit_rlhf.training.multi_turn_evaluation import MultiTurnEvaluation
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.state import ExactResume, TrainingState
-from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches, split_rows
+from lit_rlhf.training.step_logging import StepLogging
+from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
-class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExport):
+class RLHFModule(ExactResume, ManualOptimization, StepLogging, MultiTurnEvaluation, PolicyExport, ContextWindowCheck):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 
     Args:
@@ -51,6 +58,7 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         reward_fns, reward_weights: reward functions (dotted paths or callables) `fn(prompts, responses, **meta)`
             and one weight each (default 1); `reward_model_weight` weighs the reward model's score.
         nan_score: replace NaN scores from reward functions by this value (default: NaN is an error).
+        reward_timeout_s, reward_workers: seconds a reward call may run (None: no limit); threads for them (0: none).
         algorithm, sampling: the PPO/GRPO settings and the generation settings.
         lr, weight_decay, betas, warmup_steps, lr_schedule: AdamW over the trainable parameters, linear
             warm-up, then 'constant', 'linear' or 'cosine' decay to max_steps.
@@ -63,6 +71,7 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
             same weights with the adapters disabled. None: full fine-tuning.
         metric_fns: held-out metrics that never train (reward-function contract), logged as `val/<name>`.
         val_sampling, val_samples_per_prompt: how held-out prompts are answered (default: greedy, one each).
+        environment: multi-turn rollouts against this environment (docs/multi-turn.md); None: single-turn.
     """
 
     def __init__(
@@ -76,6 +85,8 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         reward_weights: Sequence[float] | None = None,
         reward_model_weight: float = 1.0,
         nan_score: float | None = None,
+        reward_timeout_s: float | None = None,
+        reward_workers: int = 0,
         algorithm: AlgorithmConfig | None = None,
         sampling: SamplingConfig | None = None,
         lr: float = 1e-5,
@@ -92,22 +103,24 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         metric_fns: Sequence[str | RewardFn] | None = None,
         val_sampling: SamplingConfig | None = None,
         val_samples_per_prompt: int = 1,
+        environment: EnvironmentConfig | None = None,
     ):
         super().__init__()
         self.automatic_optimization = False
         # dicts: as stored in a (weights-only loadable) checkpoint
         self.algorithm = AlgorithmConfig(**algorithm) if isinstance(algorithm, dict) else algorithm or AlgorithmConfig()
         self.sampling = SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling or SamplingConfig()
-        check_module_settings(
-            lr, lr_schedule, warmup_steps, max_consecutive_skips, reward_model, reward_fns, self.sampling
-        )
+        check_module_settings(locals(), self.sampling)  # every argument, before any model loads
+        self.multi_turn = multi_turn_collector(environment, self.algorithm)  # None: single-turn
+        self.algorithm.check_sampling(self.sampling)
         greedy = SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, do_sample=False)
         val = SamplingConfig(**val_sampling) if isinstance(val_sampling, dict) else val_sampling or greedy
         self.setup_evaluation(resolve_reward_fns(metric_fns, "model.metric_fns"), val, val_samples_per_prompt)
         if lora is not None:
             lora_config(lora)  # fail on bad LoRA settings before any model is loaded
         # fail on an unimportable reward function now, before any model is loaded
-        self.reward = RewardComposer(resolve_reward_fns(reward_fns), reward_weights, reward_model_weight, nan_score)
+        settings = (reward_weights, reward_model_weight, nan_score, reward_timeout_s, reward_workers)
+        self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         # model instances and callables are not hyperparameters; their names are
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])
@@ -170,24 +183,28 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         # 5. log
         tokens_per_s = float(experience.response_mask.sum()) / clock.total_s()
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
+        values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
+        values.update(dynamic_metrics(timings))
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})
         self.log_step(values, experience)
+        self.step_schedulers("step", self.state.rollouts_done, plateau=True)  # with this rollout's metrics
 
     def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout, Any]:
-        """Phase 2: generate and score with the current policy (in eval mode)."""
-        algo, version = self.algorithm, self.state.policy_version
+        """Phase 2: generate and score with the current policy (in eval mode); with dynamic sampling, tied groups
+        are replaced by groups of more prompts (`lit_rlhf.rollout.dynamic`)."""
+        algo, G = self.algorithm, self.algorithm.filled.group_size
+        collect = collect_rollout if self.multi_turn is None else self.multi_turn.collect
+        settings = (G, self.sampling, algo.truncated_score, self.state.policy_version, algo.overlong)
+
+        def sample(batch: PromptBatch) -> tuple[Rollout, Any]:
+            return collect(batch, self.actor_critic.policy, self.tokenizer, self.compute_scores, *settings)
+
         with eval_mode(self.actor_critic):
-            return collect_rollout(
-                prompts,
-                self.actor_critic.policy,
-                self.tokenizer,
-                self.compute_scores,
-                algo.filled.group_size,
-                self.sampling,
-                algo.truncated_score,
-                version,
-            )
+            if not algo.dynamic_sampling:
+                return sample(prompts)
+            refill = refill_source(self.trainer, self.state.rollouts_done, algo.max_sampling_rounds)
+            return dynamic_rollout(sample, prompts, refill, G, algo.max_sampling_rounds, self.tokenizer.pad_token_id)
 
     def compute_scores(
         self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation
@@ -195,7 +212,7 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         """Hook: one score per response, (B,) float. Default: the weighted reward functions and reward model.
         Every rollout and every held-out evaluation is scored here (truncation handling comes after)."""
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
-        return self.reward(prompts, responses, meta, self.reward_model, ids, mask, last)
+        return self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated)
 
     def compute_advantages(
         self, rollout: Rollout, kl: Tensor | None, values: Tensor | None
@@ -242,14 +259,15 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
             for minibatch in iterate_minibatches(exp, minibatch_size, order, shuffle=algo.num_minibatches > 1):
                 totals = MinibatchTotals.of(minibatch, self.sampling.max_new_tokens)
                 stats: dict[str, float] = {}
-                pieces = split_rows(minibatch.batch_size, micro_size)
-                for i, rows in enumerate(pieces):
+                pieces = micro_batches(minibatch, micro_size, algo.micro_batch_tokens)  # per rank: sync on its last
+                for i, piece in enumerate(pieces):
                     with self.gradient_sync(enabled=i == len(pieces) - 1):
-                        loss, micro_stats = self.micro_batch_loss(minibatch.select(rows), totals, first_forward)
+                        loss, micro_stats = self.micro_batch_loss(piece, totals, first_forward)
                         first_forward = None
                         self.manual_backward(loss)
                     for key, value in micro_stats.items():
                         stats[key] = stats.get(key, 0.0) + value
+                stats["perf/update_padding"] = padding_fraction(pieces)
                 stats["optim/grad_norm"] = self.clip_and_step(stats)
                 self.last_update_stats.append(stats)
         return logs.mean_over(self.last_update_stats)
@@ -269,29 +287,3 @@ class RLHFModule(ExactResume, ManualOptimization, HeldOutEvaluation, PolicyExpor
         """Under DDP, skip the gradient all-reduce for all but a minibatch's last micro-batch."""
         block = getattr(self.trainer.strategy, "block_backward_sync", None)
         return contextlib.nullcontext() if enabled or block is None else block()
-
-    # ------------------------------------------------------------------ logging
-
-    def log_step(self, metrics: dict[str, float], experience: Experience) -> None:
-        """Phase 5: the progress-bar reward every step; every metric, averaged over the steps since the last
-        write, on the steps the Trainer writes logs (`log_every_n_steps`); samples every
-        `log_samples_every_n_steps` rollouts.
-
-        Lightning's `self.log` costs about 0.25 ms per metric per call on a CPU, several ms per step for the
-        ~25 metrics, so they are only handed to it when they will be written.
-        """
-        self.step_metrics = metrics
-        batch_size = experience.batch_size
-        reward = metrics["rollout/reward_mean"]
-        self.log("reward", reward, prog_bar=True, logger=False, sync_dist=True, batch_size=batch_size)
-        self.log("kl", metrics["objective/kl"], prog_bar=True, logger=False, sync_dist=True, batch_size=batch_size)
-        self.step_schedulers("step", self.state.rollouts_done, plateau=True)  # after this rollout's metrics exist
-        self.metric_window.add(metrics)
-        if logs.trainer_writes_logs(self.trainer, self.state.rollouts_done):
-            self.log_dict(self.metric_window.values(), on_step=True, sync_dist=True, batch_size=batch_size)
-            self.metric_window.clear()
-        every = self.hparams["log_samples_every_n_steps"]
-        if every and self.global_rank == 0 and (self.state.rollouts_done - 1) % every == 0:
-            scores, group = experience.scores.tolist(), self.algorithm.filled.group_size
-            rows = logs.sample_rows(experience.prompts, experience.responses, scores, group)
-            logs.write_samples(self.loggers, rows, self.global_step)
