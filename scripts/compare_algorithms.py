@@ -5,8 +5,9 @@ python scripts/compare_algorithms.py --seeds 0 1 --rollouts 300
 
 Each variant is its config (`configs/<name>.yaml`) trained for `--rollouts` rollouts with held-out greedy accuracy
 (`val/sorted_exactly`, 200 prompts) every `--every` rollouts, CSV logs under `--out`. Printed per variant and
-seed: the accuracy curve, the training reward of the last 20 rollouts, optimizer steps, and the first optimizer
-step at which held-out accuracy reached GRPO's final accuracy for the same seed.
+seed: the accuracy curve, the training reward of the last 20 rollouts, and the first rollout after which held-out
+accuracy reached GRPO's final accuracy for the same seed. Every variant but GSPO (2 minibatches) takes one optimizer
+step per rollout.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def main() -> None:
             cmd.append("--trainer.enable_progress_bar=false")
             subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
             rows = read_metrics(out)
-            curve = [(int(r["step"]) + 1, float(r[METRIC])) for r in rows if r.get(METRIC)]
+            curve = [(int(r["step"]) + 1, float(r[METRIC])) for r in rows if r.get(METRIC)]  # (rollouts done, accuracy)
             rewards = [float(r["rollout/reward_mean"]) for r in rows if r.get("rollout/reward_mean")]
             results[variant, seed] = curve, sum(rewards[-20:]) / len(rewards[-20:])
     for seed in args.seeds:
@@ -85,7 +86,7 @@ def main() -> None:
             points = " ".join(f"{acc:.2f}" for _, acc in curve)
             print(
                 f"seed {seed} {variant:13s} accuracy every {args.every} rollouts: {points} | reward (last 20) "
-                f"{reward:.3f} | optimizer steps {curve[-1][0]} | reached GRPO's final accuracy at step {reached}"
+                f"{reward:.3f} | rollouts {curve[-1][0]} | reached GRPO's final accuracy after rollout {reached}"
             )
 
 
