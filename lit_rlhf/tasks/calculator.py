@@ -20,75 +20,20 @@ from typing import Any
 
 from lit_rlhf.rollout.environment import Environment, StepResult
 from lit_rlhf.tasks.digits import DIGITS, EOS, PAD, SEPARATOR, UNK
+from lit_rlhf.tasks.expression import ExpressionError
+from lit_rlhf.tasks.expression import evaluate as evaluate_expression
 
-MAX_EXPRESSION_CHARS = 200
-_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|(.))")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-class CalculatorError(ValueError):
-    """An expression the calculator cannot evaluate (syntax, division by zero, too long)."""
+CalculatorError = ExpressionError
+"""An expression the calculator cannot evaluate (syntax, division by zero, too long)."""
 
 
 def evaluate(expression: str) -> Fraction:
-    """The exact value of an arithmetic expression: numbers, + - * /, unary minus, parentheses.
-
-    Grammar: expr = term (('+' | '-') term)*; term = factor (('*' | '/') factor)*;
-    factor = '-' factor | '(' expr ')' | number. Raises `CalculatorError` on anything else.
-    """
-    if len(expression) > MAX_EXPRESSION_CHARS:
-        raise CalculatorError(f"longer than {MAX_EXPRESSION_CHARS} characters")
-    tokens: list[str] = []
-    for number, symbol in _TOKEN.findall(expression):
-        if symbol and symbol.isspace():
-            continue
-        tokens.append(number or symbol)
-    if not tokens:
-        raise CalculatorError("empty expression")
-    position = 0
-
-    def peek() -> str | None:
-        return tokens[position] if position < len(tokens) else None
-
-    def take() -> str:
-        nonlocal position
-        token = peek()
-        if token is None:
-            raise CalculatorError("unexpected end")
-        position += 1
-        return token
-
-    def expr() -> Fraction:
-        value = term()
-        while peek() in ("+", "-"):
-            value = value + term() if take() == "+" else value - term()
-        return value
-
-    def term() -> Fraction:
-        value = factor()
-        while peek() in ("*", "/"):
-            op, right = take(), factor()
-            if op == "/" and right == 0:
-                raise CalculatorError("division by zero")
-            value = value * right if op == "*" else value / right
-        return value
-
-    def factor() -> Fraction:
-        token = take()
-        if token == "-":
-            return -factor()
-        if token == "(":
-            value = expr()
-            if take() != ")":
-                raise CalculatorError("missing ')'")
-            return value
-        if token[0].isdigit():
-            return Fraction(token)
-        raise CalculatorError(f"unexpected {token!r}")
-
-    value = expr()
-    if peek() is not None:
-        raise CalculatorError(f"unexpected {peek()!r}")
+    """The exact value of an arithmetic expression: numbers (decimals too), + - * /, unary minus, parentheses
+    (`lit_rlhf.tasks.expression`); `CalculatorError` on anything else."""
+    value, _ = evaluate_expression(expression, unary_minus=True, decimals=True)
     return value
 
 

@@ -37,7 +37,7 @@ def check_countdown(expression: str, numbers: Sequence[int], target: int) -> str
         value, used = evaluate(expression, integer_steps=True)
     except ExpressionError as err:
         return str(err)
-    extra = Counter(used) - Counter(int(n) for n in numbers)
+    extra = Counter(int(u) for u in used) - Counter(int(n) for n in numbers)  # integers: no decimals here
     if extra:
         return f"uses {sorted(extra.elements())} beyond the given numbers {list(numbers)}"
     if value != target:
