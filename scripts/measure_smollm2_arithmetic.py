@@ -53,7 +53,7 @@ def summary(rows: list[dict[str, str]]) -> tuple[list[tuple[int, float]], float,
     curve = [(int(r["step"]) + 1, float(r[METRIC])) for r in rows if r.get(METRIC)]
     train = [r for r in rows if r.get("objective/kl")]
     kl = sum(float(r["objective/kl"]) for r in train[-5:]) / max(len(train[-5:]), 1)
-    step_s = sum(float(r["time/rollout_s"]) + float(r["time/evaluate_s"]) + float(r["time/update_s"]) for r in train)
+    step_s = sum(float(r["time/rollout_s"]) + float(r["time/update_s"]) for r in train)  # rollout_s spans evaluate
     return curve, kl, step_s / max(len(train), 1), float(len(train))
 
 
