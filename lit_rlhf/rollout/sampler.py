@@ -57,8 +57,11 @@ class SampleOutput:
 
 
 def _cache_argument(model: nn.Module) -> str:
-    """The forward keyword for the KV cache: 'cache' (transformers >= 5.2x) or 'past_key_values'."""
-    parameters = inspect.signature(model.forward).parameters
+    """The forward keyword for the KV cache: 'cache' (transformers >= 5.2x) or 'past_key_values'. A wrapper that
+    forwards **kwargs (a peft model) is asked through the model it wraps."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    parameters = inspect.signature(base.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 

@@ -273,3 +273,22 @@ def test_backend_setting_is_validated():
     assert SamplingConfig(backend="generate").backend == "generate"
     with pytest.raises(ConfigError, match="sampling.backend"):
         SamplingConfig(backend="vllm")
+
+
+def test_the_cache_keyword_of_a_peft_wrapped_model_is_the_wrapped_models():
+    """A peft model's forward takes **kwargs: the lean sampler must ask the model inside which keyword it uses,
+    or it passes the deprecated `past_key_values` to a transformers that wants `cache`."""
+    import inspect
+
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lit_rlhf.rollout.sampler import _cache_argument
+
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(config)
+    expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert _cache_argument(wrapped) == expected
