@@ -10,7 +10,7 @@ the prompts differ.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
@@ -55,10 +55,14 @@ class HeldOutEvaluation(L.LightningModule):
             keys += [f"{name}_pass@{samples_per_prompt}" for name in self.metric_fns]
         self.eval_means = nn.ModuleDict({key: MeanMetric() for key in keys})
 
+    def rollout_collector(self) -> Callable[..., tuple[Rollout, Any]]:
+        """What samples and scores a batch of prompts (`collect_rollout`'s contract); training uses it too."""
+        return collect_rollout
+
     def answer(self, prompts: PromptBatch) -> Rollout:
         """`val_samples_per_prompt` responses to each prompt with `val_sampling`, scored: a `Rollout`."""
         with eval_mode(self.actor_critic):
-            rollout, _ = collect_rollout(
+            rollout, _ = self.rollout_collector()(
                 prompts,
                 self.actor_critic.policy,
                 self.tokenizer,

@@ -7,7 +7,7 @@ scoring in `lit_rlhf.rollout`, model building in `lit_rlhf.models.build`, resume
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,14 +39,14 @@ from lit_rlhf.rollout.multi_turn import multi_turn_collector
 from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
-from lit_rlhf.training.multi_turn_evaluation import MultiTurnEvaluation
+from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
-class RLHFModule(ExactResume, ManualOptimization, StepLogging, MultiTurnEvaluation, PolicyExport, ContextWindowCheck):
+class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation, PolicyExport, ContextWindowCheck):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 
     Args:
@@ -190,11 +190,15 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, MultiTurnEvaluati
         self.log_step(values, experience)
         self.step_schedulers("step", self.state.rollouts_done, plateau=True)  # with this rollout's metrics
 
+    def rollout_collector(self) -> Callable[..., tuple[Rollout, Any]]:
+        """Single-turn `collect_rollout`, or conversations with `environment` (training and held-out alike)."""
+        return collect_rollout if self.multi_turn is None else self.multi_turn.collect
+
     def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout, Any]:
         """Phase 2: generate and score with the current policy (in eval mode); with dynamic sampling, tied groups
         are replaced by groups of more prompts (`lit_rlhf.rollout.dynamic`)."""
         algo, G = self.algorithm, self.algorithm.filled.group_size
-        collect = collect_rollout if self.multi_turn is None else self.multi_turn.collect
+        collect = self.rollout_collector()
         settings = (G, self.sampling, algo.truncated_score, self.state.policy_version, algo.overlong)
 
         def sample(batch: PromptBatch) -> tuple[Rollout, Any]:
