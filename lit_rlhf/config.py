@@ -416,6 +416,16 @@ def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig
             "model.sampling.do_sample: training rollouts must sample (true); greedy decoding is for held-out "
             "evaluation, set it in model.val_sampling"
         )
+    check_bool(a["overlap_scoring"], "model.overlap_scoring")
+    algo = a["algorithm"]  # an AlgorithmConfig, its dict (from a checkpoint) or None
+    dynamic = algo.get("dynamic_sampling") if isinstance(algo, Mapping) else getattr(algo, "dynamic_sampling", False)
+    for clash, on in (("model.environment", a["environment"] is not None), ("algorithm.dynamic_sampling", dynamic)):
+        if a["overlap_scoring"] and on:
+            raise ConfigError(
+                f"model.overlap_scoring: true cannot be combined with {clash}: its rollouts need their scores before "
+                "sampling goes on (tied groups to refill, or the environment's next turn), so there is nothing to "
+                f"overlap; set model.overlap_scoring: false, or turn {clash} off"
+            )
 
 
 def check_precision(precision: str) -> None:

@@ -36,6 +36,7 @@ from lit_rlhf.rollout.dynamic import dynamic_metrics, dynamic_rollout, refill_so
 from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.rollout.multi_turn import multi_turn_collector
+from lit_rlhf.rollout.scoring import PendingRollout, overlap_metrics, split_pending, start_rollout
 from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
@@ -72,6 +73,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         metric_fns: held-out metrics that never train (reward-function contract), logged as `val/<name>`.
         val_sampling, val_samples_per_prompt: how held-out prompts are answered (default: greedy, one each).
         environment: multi-turn rollouts against this environment (docs/multi-turn.md); None: single-turn.
+        overlap_scoring: score each rollout on a background thread while phase 3's forwards run (same results).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         val_sampling: SamplingConfig | None = None,
         val_samples_per_prompt: int = 1,
         environment: EnvironmentConfig | None = None,
+        overlap_scoring: bool = False,
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -184,7 +187,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         tokens_per_s = float(experience.response_mask.sum()) / clock.total_s()
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
         values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
-        values.update(dynamic_metrics(timings))
+        values.update({**dynamic_metrics(timings), **overlap_metrics(timings)})
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})
         self.log_step(values, experience)
@@ -194,14 +197,15 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """Single-turn `collect_rollout`, or conversations with `environment` (training and held-out alike)."""
         return collect_rollout if self.multi_turn is None else self.multi_turn.collect
 
-    def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout, Any]:
+    def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout | PendingRollout, Any]:
         """Phase 2: generate and score with the current policy (in eval mode); with dynamic sampling, tied groups
-        are replaced by groups of more prompts (`lit_rlhf.rollout.dynamic`)."""
+        are replaced by groups of more prompts (`lit_rlhf.rollout.dynamic`); with `overlap_scoring`, a
+        `PendingRollout` whose scores are still being computed."""
         algo, G = self.algorithm, self.algorithm.filled.group_size
-        collect = self.rollout_collector()
+        collect: Any = start_rollout if self.hparams["overlap_scoring"] else self.rollout_collector()
         settings = (G, self.sampling, algo.truncated_score, self.state.policy_version, algo.overlong)
 
-        def sample(batch: PromptBatch) -> tuple[Rollout, Any]:
+        def sample(batch: PromptBatch) -> Any:
             return collect(batch, self.actor_critic.policy, self.tokenizer, self.compute_scores, *settings)
 
         with eval_mode(self.actor_critic):
@@ -225,13 +229,14 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         reference and the critic's values (either None when absent). Default: `algorithm`'s estimator."""
         return compute_advantages(self.algorithm, rollout.scores, kl, values, rollout.response_mask)
 
-    def make_experience(self, rollout: Rollout) -> tuple[Experience, PolicyForward | None]:
+    def make_experience(self, rollout: Rollout | PendingRollout) -> tuple[Experience, PolicyForward | None]:
         """Phase 3: the reference's and the sampling policy's forwards into the complete experience.
 
         The one fork of the single-pass shortcut: when the update is one pass over the rollout in one piece, the
         sampling policy's forward is the update's own first forward, run here with grad and returned for the
         update to reuse (one policy forward per step); otherwise it is a no-grad forward and None is returned.
         """
+        rollout, scored = split_pending(rollout)  # a pending rollout's scores are joined after the forwards
         temperature = self.sampling.temperature
         ref_logits = reference_logits(self.reference, rollout) if self.reference is not None else None
         first_forward = None
@@ -241,7 +246,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         else:
             sampling_policy = first_forward = policy_forward(self.actor_critic, rollout, temperature)
         experience = make_experience(
-            rollout, self.algorithm, sampling_policy, ref_logits, temperature, self.compute_advantages
+            scored(), self.algorithm, sampling_policy, ref_logits, temperature, self.compute_advantages
         )
         return experience, first_forward
 
