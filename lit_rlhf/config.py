@@ -150,6 +150,9 @@ class AlgorithmConfig:
     micro_batch_tokens: int | None = None
     """Token budget per forward/backward instead of a row count: rows sorted by length, each micro-batch as many
     as fit rows x (its longest prompt + its longest response) <= this; padding columns are cut. None: off."""
+    share_prompt_forward: bool = True
+    """Run each distinct prompt of a forward batch once and its responses over the shared KV cache (the policy's,
+    critic's and reference's forwards; same logits and gradients up to float rounding; docs/performance.md)."""
     clip_eps_low: float = 0.2
     """Lower ratio clip: the ratio is clipped at 1 - clip_eps_low (1 or more: no lower clip)."""
     clip_eps_high: float | None = None
@@ -230,6 +233,7 @@ class AlgorithmConfig:
 
     def _check_dynamic_sampling(self) -> None:
         check_bool(self.dynamic_sampling, "algorithm.dynamic_sampling")
+        check_bool(self.share_prompt_forward, "algorithm.share_prompt_forward")
         check_int(self.max_sampling_rounds, "algorithm.max_sampling_rounds", 1, fix="3 is usual; 1: no refill")
         if not self.dynamic_sampling:
             return

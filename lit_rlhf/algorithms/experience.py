@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from lit_rlhf.algorithms import losses
 from lit_rlhf.config import AlgorithmConfig
-from lit_rlhf.models.actor_critic import ActorCritic, causal_lm_response_forward
+from lit_rlhf.models.actor_critic import ActorCritic
+from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.types import Experience, Rollout
 
 
@@ -39,10 +40,11 @@ def policy_forward(actor_critic: ActorCritic, rollout: Rollout, temperature: flo
 
 
 @torch.no_grad()
-def reference_logits(reference: nn.Module, rollout: Rollout) -> Tensor:
-    """The reference policy's logits on the response grid: (B, T, V)."""
+def reference_logits(reference: nn.Module, rollout: Rollout, share_prompts: bool = False) -> Tensor:
+    """The reference policy's logits on the response grid: (B, T, V) (`share_prompts`: each distinct prompt run
+    once)."""
     logits, _ = causal_lm_response_forward(
-        reference, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1]
+        reference, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1], False, share_prompts
     )
     return logits
 

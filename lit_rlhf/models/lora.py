@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lit_rlhf.config import ConfigError
-from lit_rlhf.models.actor_critic import accepts_argument
+from lit_rlhf.models.forward import accepts_argument
 
 LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
 _RENAMED = {"alpha": "lora_alpha", "dropout": "lora_dropout"}

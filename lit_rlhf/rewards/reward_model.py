@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from lit_rlhf.algorithms.losses import last_token_index
 from lit_rlhf.config import ConfigError
-from lit_rlhf.models.actor_critic import position_ids_from_mask
+from lit_rlhf.models.forward import position_ids_from_mask
 from lit_rlhf.models.loading import disable_dropout, freeze, load_sequence_classifier, load_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
 

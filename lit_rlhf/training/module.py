@@ -238,7 +238,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """
         rollout, scored = split_pending(rollout)  # a pending rollout's scores are joined after the forwards
         temperature = self.sampling.temperature
-        ref_logits = reference_logits(self.reference, rollout) if self.reference is not None else None
+        share = self.algorithm.share_prompt_forward
+        ref_logits = reference_logits(self.reference, rollout, share) if self.reference is not None else None
         first_forward = None
         if self.algorithm.policy_forward_in_rollout(rollout.batch_size):
             with torch.no_grad():
@@ -289,7 +290,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         current = forward if forward is not None else policy_forward(self.actor_critic, mb, self.sampling.temperature)
         ref_logits = None
         if self.algorithm.full_kl_in_loss and self.reference is not None:
-            ref_logits = reference_logits(self.reference, mb)
+            ref_logits = reference_logits(self.reference, mb, self.algorithm.share_prompt_forward)
         return ppo_objective(current, mb, self.algorithm, totals, self.sampling.temperature, ref_logits)
 
     def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:

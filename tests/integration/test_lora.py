@@ -15,7 +15,7 @@ pytest.importorskip("peft")
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf.config import ConfigError
-from lit_rlhf.models.actor_critic import causal_lm_response_forward
+from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.models.lora import AdapterDisabledReference, parameter_bytes
 
 REWARD = ["lit_rlhf.tasks.digits.sort_digits_reward"]
@@ -28,15 +28,18 @@ class Recorder(RLHFModule):
         self.__dict__.setdefault("experiences", []).append(exp)
 
 
-def lora_module(name: str, policy=None, **kwargs) -> Recorder:
+def lora_module(name: str, policy=None, share_prompt_forward: bool = True, **kwargs) -> Recorder:
     kwargs.setdefault("lora", {"r": 4, "alpha": 8})
+    settings = dict(
+        group_size=2, ppo_epochs=2, num_minibatches=2, kl_coef=0.05, share_prompt_forward=share_prompt_forward
+    )
     return Recorder(
         policy=policy if policy is not None else make_policy(),
         tokenizer="builtin:digits",
         reward_fns=REWARD,
         sampling=SamplingConfig(max_new_tokens=6),
         lr=1e-2,
-        algorithm=AlgorithmConfig(name=name, group_size=2, ppo_epochs=2, num_minibatches=2, kl_coef=0.05),
+        algorithm=AlgorithmConfig(name=name, **settings),
         log_samples_every_n_steps=0,
         **kwargs,
     )
@@ -148,8 +151,11 @@ def test_gradient_checkpointing_gives_the_same_gradients(tokenizer, lora):
     check is exact."""
     from conftest import prompt_batch
 
-    plain = lora_module("ppo", policy=make_policy(seed=3), lora=lora)
-    checkpointed = lora_module("ppo", policy=make_policy(seed=3), lora=lora, gradient_checkpointing=True)
+    # both on the plain forward: under checkpointing the shared-prompt forward is off (no KV cache there)
+    plain = lora_module("ppo", policy=make_policy(seed=3), lora=lora, share_prompt_forward=False)
+    checkpointed = lora_module(
+        "ppo", policy=make_policy(seed=3), lora=lora, gradient_checkpointing=True, share_prompt_forward=False
+    )
     if lora is not None:  # same (random) adapter A matrices in both
         checkpointed.actor_critic.load_state_dict(plain.actor_critic.state_dict())
     checkpointed.actor_critic.value_head.load_state_dict(plain.actor_critic.value_head.state_dict())

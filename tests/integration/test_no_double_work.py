@@ -69,7 +69,8 @@ def count_forwards(algorithm: AlgorithmConfig, steps: int = 2) -> dict[str, floa
     ],
 )
 def test_forwards_per_training_step(settings, no_grad, grad, reference):
-    algorithm = AlgorithmConfig(**settings)
+    # one model call per forward: the shared-prompt forward (two calls, prompts then responses) is off here
+    algorithm = AlgorithmConfig(**settings, share_prompt_forward=False)
     counts = count_forwards(algorithm)
     assert counts == {"actor_critic_no_grad": no_grad, "actor_critic_grad": grad, "reference": reference}
     assert algorithm.policy_forward_in_rollout(8) == bool(no_grad)

@@ -13,7 +13,8 @@ from conftest import EOS_ID, PAD_ID, make_policy, prompt_batch
 from lit_rlhf.algorithms import losses
 from lit_rlhf.algorithms.experience import compute_advantages, make_experience, policy_forward, reference_logits
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
-from lit_rlhf.models.actor_critic import ActorCritic, causal_lm_response_forward, position_ids_from_mask
+from lit_rlhf.models.actor_critic import ActorCritic
+from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_from_mask
 from lit_rlhf.models.loading import frozen_copy
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardError, call_reward_fn

@@ -14,7 +14,7 @@ from lit_rlhf.algorithms.experience import PolicyForward, make_experience
 from lit_rlhf.algorithms.losses import logprobs_from_logits
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
-from lit_rlhf.models.actor_critic import causal_lm_response_forward
+from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.rollout.environment import Environment, EnvironmentConfig, StepResult, build_environment
 from lit_rlhf.rollout.multi_turn import MultiTurnCollector, multi_turn_collector
 from lit_rlhf.tasks.calculator import CalculatorEnvironment, CalculatorError, PeekEnvironment, evaluate

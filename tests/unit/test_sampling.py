@@ -10,7 +10,7 @@ from torch import nn
 
 from lit_rlhf.algorithms import losses
 from lit_rlhf.config import ConfigError, SamplingConfig
-from lit_rlhf.models.actor_critic import causal_lm_response_forward, position_ids_from_mask
+from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_from_mask
 from lit_rlhf.rollout.generation import generate
 from lit_rlhf.rollout.sampler import mask_logits, sample
 from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
@@ -283,7 +283,7 @@ def test_the_cache_keyword_of_a_peft_wrapped_model_is_the_wrapped_models():
     peft = pytest.importorskip("peft")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lit_rlhf.rollout.sampler import _cache_argument
+    from lit_rlhf.models.forward import cache_keyword
 
     config = LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
@@ -291,4 +291,4 @@ def test_the_cache_keyword_of_a_peft_wrapped_model_is_the_wrapped_models():
     model = LlamaForCausalLM(config)
     expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    assert _cache_argument(wrapped) == expected
+    assert cache_keyword(wrapped) == expected

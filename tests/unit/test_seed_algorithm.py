@@ -8,7 +8,7 @@ import torch
 from conftest import make_policy, prompt_batch
 from lit_rlhf import AlgorithmConfig, RLHFModule, SamplingConfig
 from lit_rlhf.algorithms.objective import MinibatchTotals
-from lit_rlhf.models.actor_critic import causal_lm_response_forward
+from lit_rlhf.models.forward import causal_lm_response_forward
 
 SEED_SETTINGS = dict(
     name="ppo",
