@@ -376,6 +376,10 @@ class SamplingConfig:
     share_prefill: bool = True
     """'lean' backend: prefill each prompt once and repeat its KV cache for its group_size samples (same tokens
     as prefilling every copy; the 'generate' backend always prefills every copy)."""
+    compile: bool = False
+    """'lean' backend: decode with a static KV cache of a bucketed length and a `torch.compile`d decode step
+    (`lit_rlhf.rollout.static_decode`); the same draws as the default loop. The first use of each (batch size,
+    length bucket) compiles."""
 
     def __post_init__(self) -> None:
         check_int(self.max_new_tokens, "sampling.max_new_tokens", 1, fix="responses need at least one token")
@@ -385,6 +389,12 @@ class SamplingConfig:
         check_bool(self.do_sample, "sampling.do_sample")
         check_choice(self.backend, SamplingBackend, "sampling.backend")
         check_bool(self.share_prefill, "sampling.share_prefill")
+        check_bool(self.compile, "sampling.compile")
+        if self.compile and self.backend == "generate":
+            raise ConfigError(
+                "sampling.compile / sampling.backend: compile applies to the 'lean' backend's decode loop, not to "
+                "Hugging Face generate; set sampling.backend: lean or sampling.compile: false"
+            )
 
 
 def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig) -> None:

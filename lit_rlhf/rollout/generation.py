@@ -60,7 +60,8 @@ def generate(
     """Sample `group_size` responses per prompt (KV cache, stops at EOS).
 
     `sampling.backend` 'lean' runs `lit_rlhf.rollout.sampler.sample` (it alone uses `generator`; None: the
-    global RNG); 'generate' runs Hugging Face `generate` (global RNG). Both draw the same tokens for a seed.
+    global RNG; `sampling.compile`: its static-cache compiled decode steps); 'generate' runs Hugging Face
+    `generate` (global RNG). Both draw the same tokens for a seed.
     """
     prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
     prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
@@ -79,6 +80,7 @@ def generate(
             generator=generator,
             do_sample=sampling.do_sample,
             group_size=group_size if shared else 1,
+            compile=sampling.compile,
         ).response_ids
     else:
         raw = hf_generate(policy, prompt_ids, prompt_mask, sampling, eos_token_id, pad_token_id)

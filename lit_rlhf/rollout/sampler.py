@@ -15,16 +15,21 @@ prompt: the prefill, most of a step's compute for long prompts and short respons
 The loop skips `generate`'s per-step machinery (logits-processor and stopping-criteria lists,
 `prepare_inputs_for_generation`, growing `input_ids` with `torch.cat`), which is most of the cost of a
 small model's decode step.
+
+With `static_cache` / `compile` (`sampling.compile`) the decode steps run over a static KV cache of fixed shapes,
+compiled with `torch.compile` (`lit_rlhf.rollout.static_decode`); everything else is this loop.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lit_rlhf.models.forward import accepts_argument, cache_keyword, returned_cache
+from lit_rlhf.rollout.static_decode import StaticDecoder
 
 
 def mask_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -56,20 +61,6 @@ class SampleOutput:
     logprobs: Tensor | None
 
 
-def _cache_argument(model: nn.Module) -> str:
-    """The forward keyword for the KV cache: 'cache' (transformers >= 5.2x) or 'past_key_values'. A wrapper that
-    forwards **kwargs (a peft model) is asked through the model it wraps."""
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    parameters = inspect.signature(base.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
-
-
-def _returned_cache(output: Any) -> Any:
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
-
-
 def _repeat_cache(cache: Any, repeats: int) -> Any:
     """The prefill's KV cache with every row repeated `repeats` times in place (transformers' `Cache` API)."""
     repeat = getattr(cache, "batch_repeat_interleave", None)
@@ -98,6 +89,8 @@ def sample(
     stop_check_every: int | None = None,
     do_sample: bool = True,
     group_size: int = 1,
+    static_cache: bool = False,
+    compile: bool = False,
 ) -> SampleOutput:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt (`do_sample` False: greedy, the
     most likely token at every step, as `generate(do_sample=False)`; top-k/top-p do not change the argmax).
@@ -107,6 +100,8 @@ def sample(
     Stops early when every sequence has emitted `eos_token_id`; after its EOS a sequence gets `pad_token_id`.
     `stop_check_every`: steps between "has every sequence ended?" checks, each a host synchronisation on an
     accelerator (None: 1 on CPU, 8 elsewhere). The output does not depend on it.
+    `static_cache`: decode over a transformers `StaticCache` of fixed shapes (`lit_rlhf.rollout.static_decode`);
+    `compile`: that, with the decode step `torch.compile`d (`sampling.compile`). The same draws either way.
     """
     if group_size < 1:
         raise ValueError(f"sample: group_size must be >= 1, got {group_size}")
@@ -114,9 +109,8 @@ def sample(
     B0, P = input_ids.shape
     B = B0 * G
     device = input_ids.device
-    cache_key = _cache_argument(model)
-    parameters = inspect.signature(model.forward).parameters
-    keep_last = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+    cache_key = cache_keyword(model)
+    keep_last = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
 
     # The full attention mask, preallocated: prompt mask, then 1 for every generated column (as `generate`).
     full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
@@ -134,14 +128,21 @@ def sample(
     check_every = stop_check_every or (1 if device.type == "cpu" else 8)
 
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, **keep_last)
-    cache = _returned_cache(out)
+    cache = returned_cache(out)
     last_logits = out.logits[:, -1]  # (B0, V)
-    if G > 1:
+    decoder = None
+    if static_cache or compile:  # copies the prefill cache, each row G times
+        decoder = StaticDecoder(
+            model, cache, full_mask[:, :P], next_position, max_new_tokens, cache_key, keep_last, compile
+        )
+        cache = None
+    elif G > 1:
         cache = _repeat_cache(cache, G)
+    if G > 1:
         last_logits = last_logits.repeat_interleave(G, dim=0)  # (B, V)
     steps = 0
     for t in range(max_new_tokens):
-        logits = (last_logits if t == 0 else out.logits[:, -1]).float()  # (B, V)
+        logits = last_logits.float()  # (B, V)
         if temperature != 1.0:
             logits = logits / temperature
         if return_logprobs:
@@ -163,6 +164,9 @@ def sample(
             break
         if (t + 1) % check_every == 0 and not bool(unfinished.any()):
             break
+        if decoder is not None:
+            last_logits = decoder.step(next_tokens, t)
+            continue
         out = model(
             input_ids=next_tokens[:, None],
             attention_mask=full_mask[:, : P + t + 1],
@@ -170,8 +174,9 @@ def sample(
             use_cache=True,
             **{cache_key: cache},
         )
-        cache = _returned_cache(out)
-    del out, cache, last_logits
+        cache = returned_cache(out)
+        last_logits = out.logits[:, -1]
+    del out, cache, last_logits, decoder
     # With a deferred stop check some trailing steps may have run after every sequence had ended: drop them.
     if check_every > 1:
         steps = int(alive_before[:steps].nonzero().max()) + 1 if bool(alive_before[:steps].any()) else 0
