@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -299,6 +300,82 @@ def hand_loop(job: dict[str, Any]) -> dict[str, Any]:
     return {"steps": loop.steps[job["warmup"] :]}
 
 
+# ----------------------------------------------------------------------------- TRL's GRPOTrainer (optional)
+
+
+def trl_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
+    """W1 through TRL's `GRPOTrainer` (run by `--trl-python`, an interpreter with `trl` installed): the same
+    model, prompts, reward, group size, length and learning rate as ours, no KL (beta 0), one update per
+    generation. `between()` runs after each TRL step, outside its timing."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = char_tokenizer()
+    T, n_prompts, G = job["max_new_tokens"], job["prompts"], job["algorithm"]["group_size"]
+    policy = tiny_policy(tokenizer, job.get("max_prompt_length", 64) + T)
+    steps_total = job["warmup"] + job["steps"]
+
+    def vowel_reward_trl(prompts, completions, **kwargs):
+        return vowel_reward(prompts, completions)
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.steps: list[dict[str, float]] = []
+            self.last = self.last_cpu = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize(job.get("device", "cpu"))
+            now, cpu = time.perf_counter(), time.process_time()
+            self.steps.append({"step_s": now - self.last, "cpu_s": cpu - self.last_cpu})
+            if between is not None:
+                between()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=n_prompts * G,
+            num_generations=G,
+            max_completion_length=T,
+            beta=0.0,
+            num_iterations=1,
+            learning_rate=1e-4,
+            max_steps=steps_total,
+            logging_steps=10**6,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=job.get("device", "cpu") == "cpu",
+            bf16=job.get("precision") == "bf16-mixed",
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
+            gradient_checkpointing=False,  # TRL's default is on; ours and the hand loop keep activations
+        )
+        trainer = GRPOTrainer(
+            model=policy,
+            reward_funcs=[vowel_reward_trl],
+            args=config,
+            train_dataset=Dataset.from_dict({"prompt": make_prompts(n_prompts * steps_total * 2)}),
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
+        trainer.train()
+    tokens = n_prompts * G * T
+    return {
+        "steps": [
+            dict(s, generate_s=0.0, score_s=0.0, evaluate_s=0.0, update_s=0.0, tokens=tokens)
+            for s in timer.steps[job["warmup"] :]
+        ]
+    }
+
+
 # ----------------------------------------------------------------------------- ours: RLHFModule in a Trainer
 
 
@@ -321,8 +398,9 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     sampling_kw = {"max_new_tokens": T}
     if job.get("backend"):
         sampling_kw["backend"] = job["backend"]
-    if "share_prefill" in job:  # only where asked: a baseline may not have the setting
-        sampling_kw["share_prefill"] = job["share_prefill"]
+    for key in ("share_prefill", "compile"):  # only where asked: a baseline may not have the setting
+        if key in job:
+            sampling_kw[key] = job[key]
     experiences: list[Any] = []
 
     class Module(RLHFModule):
@@ -339,8 +417,15 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
         **kwargs,
     )
     prompts = job.get("prompt_texts") or make_prompts(4096)
+    data_kw: dict[str, Any] = {}
+    if job.get("chat_prompts") and "special_tokens_in_prompts" in inspect.signature(RolloutDataModule).parameters:
+        data_kw["special_tokens_in_prompts"] = "parse"  # W4's prompts are rendered chat templates, as the hand loop's
     data = RolloutDataModule(
-        prompts=prompts, batch_size=job["prompts"], max_prompt_length=job.get("max_prompt_length", 64), shuffle=False
+        prompts=prompts,
+        batch_size=job["prompts"],
+        max_prompt_length=job.get("max_prompt_length", 64),
+        shuffle=False,
+        **data_kw,
     )
 
     class StepTimer(L.Callback):
@@ -409,7 +494,14 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- generation only
 
 
-GEN_VARIANTS = ("lean", "generate", "generate-static", "generate-static-compile", "lean-compile")
+GEN_VARIANTS = (
+    "lean",
+    "generate",
+    "generate-static",
+    "generate-static-compile",
+    "lean-compile",
+    "lean-static-compile",
+)
 
 
 def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
@@ -417,7 +509,8 @@ def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
 
     lean: `lit_rlhf.rollout.sampler.sample`; generate: Hugging Face `generate` with its dynamic cache;
     generate-static: a static cache, compilation off; generate-static-compile: a static cache with `generate`'s
-    own compilation of the forward; lean-compile: the lean loop over `torch.compile(forward, dynamic=True)`.
+    own compilation of the forward; lean-compile: the lean loop over `torch.compile(forward, dynamic=True)`;
+    lean-static-compile: the lean loop with `sampling.compile` (a static cache and compiled decode steps).
     """
     import torch
     from transformers import GenerationConfig
@@ -429,7 +522,8 @@ def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
     if name.startswith("lean"):
         if name == "lean-compile":
             model.forward = torch.compile(model.forward, dynamic=True)
-        return lambda ids, mask: sample(model, ids, mask, T, eos, pad).response_ids
+        compile = name == "lean-static-compile"  # sampling.compile
+        return lambda ids, mask: sample(model, ids, mask, T, eos, pad, compile=compile).response_ids
     settings: dict[str, Any] = {"do_sample": True, "max_new_tokens": T, "eos_token_id": eos, "pad_token_id": pad}
     if name.startswith("generate-static"):
         settings["cache_implementation"] = "static"
@@ -542,13 +636,14 @@ def worker(job: dict[str, Any]) -> None:
     if kind == "hand":
         result = hand_loop(with_model(job))
     elif kind == "ours":
-        result = ours_loop(with_model(job))
+        result = (trl_loop if job.get("trl") else ours_loop)(with_model(job))
     elif kind == "pair":  # a hand step after each of ours, alternating, in one process
         folder = job.get("folder")  # W3: each side gets its own copy of the real model (W4's jobs name it)
         hand_job = with_model(dict(job["hand"], folder=folder) if folder else job["hand"])
         ours_job = with_model(dict(job["ours"], folder=folder) if folder else job["ours"])
         hand = HandLoop(hand_job)
-        result = {"ours": ours_loop(ours_job, between=hand.step), "hand": {"steps": hand.steps[ours_job["warmup"] :]}}
+        loop = trl_loop if ours_job.get("trl") else ours_loop
+        result = {"ours": loop(ours_job, between=hand.step), "hand": {"steps": hand.steps[ours_job["warmup"] :]}}
     elif kind == "gen":
         result = gen_loop(job)
     else:
@@ -571,8 +666,9 @@ def run_worker(job: dict[str, Any]) -> dict[str, Any]:
         TRANSFORMERS_VERBOSITY="error",
         PYTHONWARNINGS="ignore",
     )
+    python = job.get("python") or sys.executable  # TRL's variant: the interpreter that has trl
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(job)],
+        [python, os.path.abspath(__file__), "--worker", json.dumps(job)],
         capture_output=True,
         text=True,
         env=env,
@@ -718,6 +814,16 @@ def main() -> None:
         default=None,
         help="the accelerator's peak dense bf16 TFLOP/s for the MFU (cuda; default: known for H100/H200/A100)",
     )
+    parser.add_argument(
+        "--trl-python",
+        default=None,
+        help="a Python interpreter with trl installed: W1 also runs TRL's GRPOTrainer on the same workload ('trl')",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="W1 and W4 also run ours with sampling.compile (static-cache decode steps through torch.compile)",
+    )
     parser.add_argument("--w4-tokens", type=int, default=1024, help="W4's micro_batch_tokens for 'ours-tokens'")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -800,11 +906,14 @@ def main() -> None:
                             hand=hand_job,
                             ours=job,
                             source=job.get("source"),
+                            python=job.get("python"),
                         )
                     )
                 )
                 expected = job.get("source") or ROOT
-                if os.path.realpath(pairs[-1]["lit_rlhf"]) != os.path.realpath(os.path.join(expected, "lit_rlhf")):
+                if not job.get("trl") and os.path.realpath(pairs[-1]["lit_rlhf"]) != os.path.realpath(
+                    os.path.join(expected, "lit_rlhf")
+                ):
                     raise RuntimeError(
                         f"{workload}/{name} imported lit_rlhf from {pairs[-1]['lit_rlhf']}, not {expected}"
                     )
@@ -854,7 +963,9 @@ def main() -> None:
         compare(
             "W1",
             dict(hand_base, reward="fn"),
-            with_baseline({"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")}),
+            with_baseline({"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")})
+            | ({"ours-compile": dict(ours, backend="lean", compile=True)} if args.compile else {})
+            | ({"trl": dict(ours, trl=True, python=args.trl_python)} if args.trl_python else {}),
         )
     if "W2" in only:
         print("W2: PPO (reward model, KL 0.05 with reference) vs the hand GRPO loop on the same tokens", flush=True)
@@ -901,7 +1012,10 @@ def main() -> None:
             grpo8 = dict(grpo, group_size=8)
             ours = dict(ours_base, **w4, prompts=2, algorithm=grpo8, reward="rule", max_prompt_length=256)
             variants = with_baseline({"ours": ours})
+            variants["ours-plain"] = dict(ours, algorithm=dict(grpo8, share_prompt_forward=False))
             variants["ours-tokens"] = dict(ours, algorithm=dict(grpo8, micro_batch_tokens=args.w4_tokens))
+            if args.compile:
+                variants["ours-compile"] = dict(ours, compile=True)
             compare(
                 "W4",
                 dict(hand_base, **w4, hand_prompts=2, hand_group=8, reward="rule"),
