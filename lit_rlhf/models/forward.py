@@ -28,7 +28,8 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model itself: the one a peft wrapper holds (it passes its **kwargs on), else `model`."""
+    """The transformers model itself: the one a wrapper that passes its **kwargs on holds (a peft model, the
+    adapter-disabled reference: `get_base_model`), else `model`."""
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
 

@@ -83,6 +83,10 @@ class AdapterDisabledReference(nn.Module):
     def policy(self) -> nn.Module:
         return self._policy[0]
 
+    def get_base_model(self) -> nn.Module:
+        """The transformers model under the adapters, whose forward keywords this one passes on."""
+        return self.policy.get_base_model()  # type: ignore[operator]  # a peft method
+
     def forward(
         self,
         input_ids: Tensor,

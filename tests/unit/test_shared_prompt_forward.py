@@ -205,3 +205,27 @@ def test_the_experience_and_the_loss_gradient_match_the_plain_forward(tokenizer,
     assert plain_grads.keys() == shared_grads.keys() and plain_grads
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_lora_reference_shares_prompts_through_the_base_models_cache_keyword():
+    """The adapter-disabled reference passes the KV cache under the keyword the base model takes (a deprecated or
+    unknown keyword could be dropped silently, and the responses would run without their prompt)."""
+    pytest.importorskip("peft")
+    import inspect
+    import warnings
+
+    from lit_rlhf.models.forward import cache_keyword
+    from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
+
+    policy = apply_lora(llama_policy(), {"r": 4})
+    reference = AdapterDisabledReference(policy)
+    base_forward = policy.get_base_model().forward
+    expected = "cache" if "cache" in inspect.signature(base_forward).parameters else "past_key_values"
+    assert cache_keyword(reference) == expected
+    ids, mask = grouped_batch()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # no deprecated keyword on the way
+        plain = causal_lm_response_forward(reference, ids, mask, T)[0]
+        shared = causal_lm_response_forward(reference, ids, mask, T, share_prompts=True)[0]
+    valid = mask[:, -T:].bool()
+    torch.testing.assert_close(shared[valid], plain[valid], rtol=1e-5, atol=1e-5)
