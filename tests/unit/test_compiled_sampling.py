@@ -87,7 +87,8 @@ def test_static_cache_stops_early_and_pads_after_eos_like_the_default_loop(token
 
 
 def test_static_cache_runs_a_peft_lora_policy(tokenizer):
-    from peft import LoraConfig, get_peft_model
+    peft = pytest.importorskip("peft")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     torch.manual_seed(1)
     lora = LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)

@@ -4,6 +4,7 @@ serial path's results; errors, timeouts and Ctrl-C reach the training thread; in
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 
@@ -199,6 +200,8 @@ def test_ctrl_c_interrupts_the_join():
 
     sampled = Sampled(_generation(2), ["a", "b"], ["x", "y"], {})
     pending = PendingRollout(sampled, stuck, 0, OverlapTimings())
+    # a shell's background job ignores SIGINT, and then interrupt_main does nothing: Python's own handler here
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     threading.Timer(0.2, _thread.interrupt_main).start()
     start = time.perf_counter()
     try:
@@ -206,6 +209,7 @@ def test_ctrl_c_interrupts_the_join():
             pending.scored()
     finally:
         release.set()
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - start < 5
 
 
