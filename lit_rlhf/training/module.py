@@ -230,7 +230,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         return compute_advantages(self.algorithm, rollout.scores, kl, values, rollout.response_mask)
 
     def make_experience(self, rollout: Rollout | PendingRollout) -> tuple[Experience, PolicyForward | None]:
-        """Phase 3: the reference's and the sampling policy's forwards into the complete experience.
+        """Phase 3: the reference's and sampling policy's forwards, then (a pending rollout's scores) the experience.
 
         The one fork of the single-pass shortcut: when the update is one pass over the rollout in one piece, the
         sampling policy's forward is the update's own first forward, run here with grad and returned for the
