@@ -64,8 +64,11 @@ def causal_lm_response_forward(
     Only the T+1 last positions go through the LM head when the model supports `logits_to_keep`.
     `share_prompts`: run each distinct prompt once when some repeat (`shared_prompt_response_forward`).
     """
-    if share_prompts and shares_prompts(model, input_ids, response_len):
-        return shared_prompt_response_forward(model, input_ids, attention_mask, response_len, want_hidden)
+    if share_prompts and can_share_prompts(model, input_ids, response_len):
+        prompt_len = input_ids.shape[1] - response_len
+        distinct = distinct_prompts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])
+        if distinct[0].shape[0] < input_ids.shape[0]:  # some prompt repeats
+            return shared_prompt_response_forward(model, input_ids, attention_mask, response_len, distinct, want_hidden)
     kwargs: dict[str, Any] = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -97,15 +100,12 @@ def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, T
     return distinct[:, :width], distinct[:, width:].to(prompt_mask.dtype), inverse
 
 
-def shares_prompts(model: nn.Module, input_ids: Tensor, response_len: int) -> bool:
-    """Whether running each distinct prompt once saves work: a prompt repeats, and no gradient checkpointing
+def can_share_prompts(model: nn.Module, input_ids: Tensor, response_len: int) -> bool:
+    """Whether the prompts could run apart from the responses: there is a prompt, and no gradient checkpointing
     under grad (transformers turns the KV cache off there)."""
     if input_ids.shape[1] <= response_len:
         return False
-    if torch.is_grad_enabled() and checkpointing(base_model(model)):
-        return False
-    prompts = input_ids[:, : input_ids.shape[1] - response_len]  # (B, P)
-    return torch.unique(prompts, dim=0).shape[0] < prompts.shape[0]
+    return not (torch.is_grad_enabled() and checkpointing(base_model(model)))
 
 
 def checkpointing(model: nn.Module) -> bool:
@@ -121,16 +121,18 @@ def shared_prompt_response_forward(
     input_ids: Tensor,
     attention_mask: Tensor,
     response_len: int,
+    distinct: tuple[Tensor, Tensor, Tensor],
     want_hidden: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """`causal_lm_response_forward`'s contract with each distinct prompt run once.
 
-    input_ids, attention_mask (B, P+T) -> logits (B, T, V), hidden (B, T, H) or None. The last prompt position
-    predicts response token 0 and response tokens 0..T-2 the rest (the last response token is not run).
+    input_ids, attention_mask (B, P+T) -> logits (B, T, V), hidden (B, T, H) or None; `distinct`: the prompts'
+    `distinct_prompts`. The last prompt position predicts response token 0 and response tokens 0..T-2 the rest
+    (the last response token is not run).
     """
     S, T = input_ids.shape[1], response_len
     P = S - T
-    ids, mask, inverse = distinct_prompts(input_ids[:, :P], attention_mask[:, :P])  # (U, P), (U, P), (B,)
+    ids, mask, inverse = distinct  # (U, P), (U, P), (B,)
     keep_last = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
     prefix = model(
         input_ids=ids,

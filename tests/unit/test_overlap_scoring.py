@@ -109,14 +109,7 @@ def test_the_reward_runs_on_another_thread_while_the_reference_forward_runs(toke
         seen["saw_reference"] = reference_started.wait(timeout=10)
         return [0.0] * len(responses)
 
-    module = RLHFModule(
-        policy=make_policy(0),
-        tokenizer=tokenizer,
-        reward_fns=[waiting_reward],
-        algorithm=AlgorithmConfig(name="grpo", group_size=2),
-        sampling=SamplingConfig(max_new_tokens=4),
-        overlap_scoring=True,
-    )
+    module = _module(tokenizer, waiting_reward, overlap=True)
 
     def on_reference_forward(*_):
         seen["reference_thread"] = threading.get_ident()
