@@ -398,7 +398,7 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     sampling_kw = {"max_new_tokens": T}
     if job.get("backend"):
         sampling_kw["backend"] = job["backend"]
-    for key in ("share_prefill", "compile"):  # only where asked: a baseline may not have the setting
+    for key in ("share_prefill",):  # only where asked: a baseline may not have the setting
         if key in job:
             sampling_kw[key] = job[key]
     experiences: list[Any] = []
@@ -510,7 +510,8 @@ def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
     lean: `lit_rlhf.rollout.sampler.sample`; generate: Hugging Face `generate` with its dynamic cache;
     generate-static: a static cache, compilation off; generate-static-compile: a static cache with `generate`'s
     own compilation of the forward; lean-compile: the lean loop over `torch.compile(forward, dynamic=True)`;
-    lean-static-compile: the lean loop with `sampling.compile` (a static cache and compiled decode steps).
+    lean-static-compile: the lean loop as `sampling.backend: compiled` runs it (a static cache and compiled
+    decode steps).
     """
     import torch
     from transformers import GenerationConfig
@@ -522,7 +523,7 @@ def generation_fn(name: str, tokenizer, n_positions: int, device: str, T: int):
     if name.startswith("lean"):
         if name == "lean-compile":
             model.forward = torch.compile(model.forward, dynamic=True)
-        compile = name == "lean-static-compile"  # sampling.compile
+        compile = name == "lean-static-compile"  # sampling.backend: compiled
         return lambda ids, mask: sample(model, ids, mask, T, eos, pad, compile=compile).response_ids
     settings: dict[str, Any] = {"do_sample": True, "max_new_tokens": T, "eos_token_id": eos, "pad_token_id": pad}
     if name.startswith("generate-static"):
@@ -822,7 +823,7 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="W1 and W4 also run ours with sampling.compile (static-cache decode steps through torch.compile)",
+        help="W1 and W4 also run ours with sampling.backend: compiled (static-cache decode steps, torch.compile)",
     )
     parser.add_argument("--w4-tokens", type=int, default=1024, help="W4's micro_batch_tokens for 'ours-tokens'")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -964,7 +965,7 @@ def main() -> None:
             "W1",
             dict(hand_base, reward="fn"),
             with_baseline({"ours-lean": dict(ours, backend="lean"), "ours-generate": dict(ours, backend="generate")})
-            | ({"ours-compile": dict(ours, backend="lean", compile=True)} if args.compile else {})
+            | ({"ours-compile": dict(ours, backend="compiled")} if args.compile else {})
             | ({"trl": dict(ours, trl=True, python=args.trl_python)} if args.trl_python else {}),
         )
     if "W2" in only:
@@ -1015,7 +1016,7 @@ def main() -> None:
             variants["ours-plain"] = dict(ours, algorithm=dict(grpo8, share_prompt_forward=False))
             variants["ours-tokens"] = dict(ours, algorithm=dict(grpo8, micro_batch_tokens=args.w4_tokens))
             if args.compile:
-                variants["ours-compile"] = dict(ours, compile=True)
+                variants["ours-compile"] = dict(ours, backend="compiled")
             compare(
                 "W4",
                 dict(hand_base, **w4, hand_prompts=2, hand_group=8, reward="rule"),

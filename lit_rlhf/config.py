@@ -16,7 +16,7 @@ AdvantageEstimator = Literal["gae", "grpo", "batch_std", "dr_grpo", "rloo", "rei
 RatioLevel = Literal["token", "sequence", "sequence_token"]
 KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-SamplingBackend = Literal["lean", "generate"]
+SamplingBackend = Literal["lean", "compiled", "generate"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 
 _T = TypeVar("_T")
@@ -371,15 +371,15 @@ class SamplingConfig:
     """False: greedy decoding (the most likely token each step; temperature, top-k and top-p do not apply).
     Training rollouts must sample; greedy is for evaluation (`RLHFModule(val_sampling=...)`)."""
     backend: SamplingBackend = "lean"
-    """'lean' (`lit_rlhf.rollout.sampler`: a minimal KV-cache loop, faster than generate for the same draws) or
-    'generate' (Hugging Face generate). Both sample the same distribution (same tokens for the same seed)."""
+    """The sampler (`lit_rlhf.rollout.backends`): 'lean' (a minimal KV-cache loop, faster than generate for the
+    same draws), 'compiled' (the lean loop's decode steps over a static KV cache of a bucketed length, through
+    `torch.compile`; the same draws; the first use of each (batch size, length bucket) compiles) or 'generate'
+    (Hugging Face generate). All sample the same distribution (the same tokens for the same seed)."""
     share_prefill: bool = True
-    """'lean' backend: prefill each prompt once and repeat its KV cache for its group_size samples (same tokens
-    as prefilling every copy; the 'generate' backend always prefills every copy)."""
+    """'lean' and 'compiled': prefill each prompt once and repeat its KV cache for its group_size samples (same
+    tokens as prefilling every copy; 'generate' always prefills every copy)."""
     compile: bool = False
-    """'lean' backend: decode with a static KV cache of a bucketed length and a `torch.compile`d decode step
-    (`lit_rlhf.rollout.static_decode`); the same draws as the default loop. The first use of each (batch size,
-    length bucket) compiles."""
+    """Removed in 0.5.0: the compiled loop is `backend: compiled`; true is an error that says so."""
 
     def __post_init__(self) -> None:
         check_int(self.max_new_tokens, "sampling.max_new_tokens", 1, fix="responses need at least one token")
@@ -389,12 +389,31 @@ class SamplingConfig:
         check_bool(self.do_sample, "sampling.do_sample")
         check_choice(self.backend, SamplingBackend, "sampling.backend")
         check_bool(self.share_prefill, "sampling.share_prefill")
-        check_bool(self.compile, "sampling.compile")
-        if self.compile and self.backend == "generate":
+        if self.compile is not False:
             raise ConfigError(
-                "sampling.compile / sampling.backend: compile applies to the 'lean' backend's decode loop, not to "
-                "Hugging Face generate; set sampling.backend: lean or sampling.compile: false"
+                f"sampling.compile: {self.compile!r}; since 0.5.0 the compiled decode loop is a backend of its own: "
+                "set sampling.backend: compiled (and remove sampling.compile)"
             )
+
+
+def algorithm_and_sampling(
+    algorithm: AlgorithmConfig | Mapping[str, Any] | None, sampling: SamplingConfig | Mapping[str, Any] | None
+) -> tuple[AlgorithmConfig, SamplingConfig]:
+    """The module's two typed settings from configs, their dicts (as a weights-only checkpoint stores them) or
+    None (the defaults), checked against each other."""
+    algo = AlgorithmConfig(**algorithm) if isinstance(algorithm, Mapping) else algorithm or AlgorithmConfig()
+    settings = SamplingConfig(**sampling) if isinstance(sampling, Mapping) else sampling or SamplingConfig()
+    algo.check_sampling(settings)
+    return algo, settings
+
+
+def held_out_sampling(
+    val_sampling: SamplingConfig | Mapping[str, Any] | None, training: SamplingConfig
+) -> SamplingConfig:
+    """How held-out prompts are answered: `val_sampling` (or its dict), else greedy with the training length."""
+    if isinstance(val_sampling, Mapping):
+        return SamplingConfig(**val_sampling)
+    return val_sampling or SamplingConfig(max_new_tokens=training.max_new_tokens, do_sample=False)
 
 
 def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig) -> None:

@@ -86,3 +86,11 @@ def checksum(module: torch.nn.Module) -> str:
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def generate(policy, prompts, group_size, sampling, eos_token_id, pad_token_id, generator=None):
+    """`group_size` responses per prompt from the backend `sampling.backend` names, over `policy`."""
+    from lit_rlhf.rollout.backends.registry import make_backend
+
+    backend = make_backend(sampling.backend, policy, eos_token_id, pad_token_id, generator)
+    return backend.generate(prompts, group_size, sampling)

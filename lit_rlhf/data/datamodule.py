@@ -21,9 +21,10 @@ from typing import Any, Literal
 import lightning as L
 
 from lit_rlhf.config import ConfigError, check_choice
+from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.data.prompts import PromptTokenizer
 from lit_rlhf.data.sources import PromptStream, builtin_rows, load_prompt_rows
-from lit_rlhf.models.loading import data_tokenizer
+from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.rewards.columns import check_columns
 from lit_rlhf.types import PromptBatch
@@ -147,6 +148,26 @@ class HeldOutBatches:
             yield self.to_batch(self.rows[start : start + self.batch_size])
 
 
+def check_data_settings(settings: dict[str, Any]) -> None:
+    """`RolloutDataModule`'s numeric and choice settings (its constructor's arguments by name)."""
+    s = settings
+    if s["batch_size"] < 1:
+        raise ConfigError(f"data.batch_size: must be >= 1, got {s['batch_size']}")
+    if s["max_prompt_length"] < 1:
+        raise ConfigError(f"data.max_prompt_length: must be >= 1, got {s['max_prompt_length']}")
+    check_choice(s["prompt_truncation"], PromptTruncation, "data.prompt_truncation")
+    check_choice(s["special_tokens_in_prompts"], SpecialTokensInPrompts, "data.special_tokens_in_prompts")
+    if s["rollouts_per_epoch"] is not None and s["rollouts_per_epoch"] < 1:
+        raise ConfigError(
+            f"data.rollouts_per_epoch: must be >= 1, got {s['rollouts_per_epoch']}; or null for one pass over a "
+            f"finite prompt set ({BUILTIN_ROLLOUTS_PER_EPOCH} batches for a builtin:<task> stream)"
+        )
+    if s["val_batch_size"] is not None and s["val_batch_size"] < 1:
+        raise ConfigError(f"data.val_batch_size: must be >= 1, got {s['val_batch_size']}; or null for data.batch_size")
+    if s["val_size"] < 1:
+        raise ConfigError(f"data.val_size: must be >= 1, got {s['val_size']}")
+
+
 class RolloutDataModule(L.LightningDataModule):
     """Owns the prompts: sources, tokenisation, per-rank sharding, epochs, held-out sets, a resumable position.
 
@@ -206,21 +227,7 @@ class RolloutDataModule(L.LightningDataModule):
         special_tokens_in_prompts: SpecialTokensInPrompts = "error",
     ):
         super().__init__()
-        if batch_size < 1:
-            raise ConfigError(f"data.batch_size: must be >= 1, got {batch_size}")
-        if max_prompt_length < 1:
-            raise ConfigError(f"data.max_prompt_length: must be >= 1, got {max_prompt_length}")
-        check_choice(prompt_truncation, PromptTruncation, "data.prompt_truncation")
-        check_choice(special_tokens_in_prompts, SpecialTokensInPrompts, "data.special_tokens_in_prompts")
-        if rollouts_per_epoch is not None and rollouts_per_epoch < 1:
-            raise ConfigError(
-                f"data.rollouts_per_epoch: must be >= 1, got {rollouts_per_epoch}; or null for one pass over a "
-                f"finite prompt set ({BUILTIN_ROLLOUTS_PER_EPOCH} batches for a builtin:<task> stream)"
-            )
-        if val_batch_size is not None and val_batch_size < 1:
-            raise ConfigError(f"data.val_batch_size: must be >= 1, got {val_batch_size}; or null for data.batch_size")
-        if val_size < 1:
-            raise ConfigError(f"data.val_size: must be >= 1, got {val_size}")
+        check_data_settings(locals())
         self.batch_size = batch_size
         self.max_prompt_length = max_prompt_length
         self.prompt_truncation = prompt_truncation
@@ -301,17 +308,9 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------------------------------- Lightning
 
     def setup(self, stage: str) -> None:
-        tokenizer = data_tokenizer(self.tokenizer, self.trainer)
-        self.prompt_tokenizer = PromptTokenizer(
-            tokenizer,
-            self.max_prompt_length,
-            self.prompt_truncation,
-            self.prompt_column,
-            self.messages_column,
-            self.special_tokens_in_prompts,
-        )
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        self._check_rows(module)  # fail before any model is loaded
+        """The per-rank prompt streams; with `data.tokenizer` also the prompt checks (else in `connect`)."""
+        if self.tokenizer is not None:
+            self._tokenize_with(load_tokenizer(self.tokenizer, "data.tokenizer"))
         if self.trainer is not None:
             self.rank, self.world_size = self.trainer.global_rank, self.trainer.world_size
         self.stream = PromptStream(self.source, self.seed, self.shuffle, self.rank, self.world_size)
@@ -321,32 +320,48 @@ class RolloutDataModule(L.LightningDataModule):
             self._check_training_set(self.stream)
         if self._pending_state is not None:
             self.load_state_dict({"prompt_stream": self._pending_state})
-        check_rollout_batch = getattr(module, "check_rollout_batch", None)
-        if check_rollout_batch is not None:
-            check_rollout_batch(self.batch_size)
 
-    def _check_rows(self, module: Any) -> None:
-        """Every finite prompt set: chat templates apply, prompts fit (truncation 'error'), and the module's reward
-        functions (and, for held-out sets, metric functions) find the columns they need."""
-        assert self.prompt_tokenizer is not None
-        reward_fns = list(getattr(getattr(module, "reward", None), "reward_fns", None) or [])
-        metric_fns = getattr(module, "metric_fns", None) or {}
-        metric_fns = list(metric_fns.values()) if isinstance(metric_fns, dict) else list(metric_fns)
-        sets = [("data.prompts", self.source if isinstance(self.source, list) else None, reward_fns)]
-        sets += [
-            (field, rows, reward_fns + metric_fns)
-            for field, rows in (
-                ("data.val_prompts", self.val_rows),
-                ("data.test_prompts", self.test_rows),
-                ("data.predict_prompts", self.predict_rows),
-            )
-        ]
+    def connect(self, needs: PromptNeeds) -> PromptSupply:
+        """The module's hand-off (`lit_rlhf.data.handoff`), from its `setup`: the prompts are checked against
+        what it needs (its tokenizer, when `data.tokenizer` is None; the columns its reward and metric functions
+        name; a batch that splits into its micro-batches), and it gets what it needs of the prompts back."""
+        if self.prompt_tokenizer is None:
+            self._tokenize_with(needs.tokenizer)
+        self._check_columns(list(needs.reward_fns), list(needs.metric_fns))
+        needs.check_rollout_batch(self.batch_size)
+        return PromptSupply(self.batch_size, self.max_prompt_length, self.refill_batch)
+
+    def _tokenize_with(self, tokenizer: Any) -> None:
+        """Tokenise with `tokenizer` from now on; every finite prompt set is checked with it at once (chat
+        templates apply, prompts fit when truncation is 'error')."""
+        self.prompt_tokenizer = PromptTokenizer(
+            tokenizer,
+            self.max_prompt_length,
+            self.prompt_truncation,
+            self.prompt_column,
+            self.messages_column,
+            self.special_tokens_in_prompts,
+        )
         checked: set[int] = set()  # test/predict rows default to the validation rows: tokenise them once
-        for field, rows, fns in sets:
+        for field, rows in self._prompt_sets():
+            if rows and id(rows) not in checked:
+                self.prompt_tokenizer.check_rows(rows, field)
+                checked.add(id(rows))
+
+    def _prompt_sets(self) -> list[tuple[str, list[dict[str, Any]] | None]]:
+        """Every finite prompt set by setting name (an endless `builtin:<task>` stream is None)."""
+        return [
+            ("data.prompts", self.source if isinstance(self.source, list) else None),
+            ("data.val_prompts", self.val_rows),
+            ("data.test_prompts", self.test_rows),
+            ("data.predict_prompts", self.predict_rows),
+        ]
+
+    def _check_columns(self, reward_fns: list[Any], metric_fns: list[Any]) -> None:
+        """Reward functions (and, for held-out sets, metric functions) find the columns they need in every row."""
+        for field, rows in self._prompt_sets():
             if rows:
-                if id(rows) not in checked:
-                    self.prompt_tokenizer.check_rows(rows, field)
-                    checked.add(id(rows))
+                fns = reward_fns if field == "data.prompts" else reward_fns + metric_fns
                 check_columns(fns, rows, field, self.prompt_column)
 
     def _check_training_set(self, stream: PromptStream) -> None:
@@ -363,9 +378,17 @@ class RolloutDataModule(L.LightningDataModule):
         epoch = getattr(self.trainer, "current_epoch", None) if self.trainer is not None else None
         return epoch if isinstance(epoch, int) else None
 
+    def _tokenizer_missing(self, hook: str) -> RuntimeError:
+        if self.stream is None:
+            return RuntimeError(f"RolloutDataModule.{hook}: call setup() first")
+        return RuntimeError(
+            f"RolloutDataModule.{hook}: data.tokenizer is None and no module handed its tokenizer over "
+            "(RLHFModule does, through connect, in its setup); give data.tokenizer"
+        )
+
     def train_dataloader(self) -> PromptBatches:
         if self.stream is None or self.prompt_tokenizer is None:
-            raise RuntimeError("RolloutDataModule.train_dataloader: call setup() first")
+            raise self._tokenizer_missing("train_dataloader")
         self.stream.load_state_dict({"rows_consumed": self.rows_trained})  # drop what was prefetched and unused
         return PromptBatches(
             self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch, self._current_epoch
@@ -375,7 +398,7 @@ class RolloutDataModule(L.LightningDataModule):
         """`batch_size` rows of this rank's refill stream from row `start` (dynamic sampling's extra prompts,
         read at a position fixed by the rollout's number: `lit_rlhf.rollout.dynamic.refill_position`)."""
         if self.refill_stream is None or self.prompt_tokenizer is None:
-            raise RuntimeError("RolloutDataModule.refill_batch: call setup() first")
+            raise self._tokenizer_missing("refill_batch")
         return self.prompt_tokenizer(self.refill_stream.rows(start, self.batch_size))
 
     def _held_out_batches(self, rows: list[dict[str, Any]] | None, hook: str) -> HeldOutBatches | list:
@@ -383,7 +406,7 @@ class RolloutDataModule(L.LightningDataModule):
         if rows is None:
             return []
         if self.prompt_tokenizer is None:
-            raise RuntimeError(f"RolloutDataModule.{hook}: call setup() first")
+            raise self._tokenizer_missing(hook)
         shard = rows[self.rank :: self.world_size]
         return HeldOutBatches(shard, self.val_batch_size or self.batch_size, self.prompt_tokenizer)
 

@@ -1,28 +1,49 @@
-"""One rollout: sample `group_size` responses per prompt with the current policy, decode and score them."""
+"""Rollout collection: the contract every collector keeps (`Collector`: prompts and the policy version in, a
+scored `Rollout` out), the settings bound to a collector once (`RolloutSettings`), and the single-turn collector:
+sample `group_size` responses per prompt with a rollout backend, decode and score them."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lit_rlhf.algorithms.losses import overlong_penalty
 from lit_rlhf.config import SamplingConfig
-from lit_rlhf.rollout.generation import Generation, decode_responses, generate
+from lit_rlhf.rollout.backends.base import RolloutBackend
+from lit_rlhf.rollout.generation import Generation, decode_responses
 from lit_rlhf.types import PromptBatch, Rollout
 
 ScoreFn = Callable[[list[str], list[str], dict[str, list[Any]], Generation], Tensor]
 """(prompts, responses, meta, generation) -> (B,) scores: `RLHFModule.compute_scores`."""
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a collector does with every batch: `group_size` responses per prompt sampled with `sampling`, then
+    `truncated_score` for responses that hit the length limit (None: keep the score) and DAPO's over-long shaping
+    `overlong` = (buffer, penalty) (None: off)."""
+
+    group_size: int
+    sampling: SamplingConfig
+    truncated_score: float | None = None
+    overlong: tuple[int, float] | None = None
+
+
 @dataclass
 class RolloutTimings:
     generate_s: float = 0.0
     score_s: float = 0.0
+
+
+class Collector(Protocol):
+    """Samples and scores a batch of prompts with the current policy (single-turn or multi-turn)."""
+
+    def collect(self, prompts: PromptBatch, policy_version: int = 0) -> tuple[Rollout, RolloutTimings]: ...
 
 
 @dataclass
@@ -50,61 +71,52 @@ class Sampled:
         )
 
 
-@torch.no_grad()
-def sample_responses(
-    prompts: PromptBatch, policy: nn.Module, tokenizer: Any, group_size: int, sampling: SamplingConfig
-) -> tuple[Sampled, RolloutTimings]:
-    """Generate `group_size` responses per prompt (on the policy's device) and decode them (with the tokenizer,
-    so in the calling thread). The timings hold the generation's seconds, and the decoding's as `score_s`."""
-    timings = RolloutTimings()
-    prompts = prompts.to(next(policy.parameters()).device)
-    G = group_size
-    start = time.perf_counter()
-    gen = generate(policy, prompts, G, sampling, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    timings.generate_s = time.perf_counter() - start
-    start = time.perf_counter()
-    prompt_texts = [text for text in prompts.texts for _ in range(G)]
-    meta = {key: [v for v in values for _ in range(G)] for key, values in prompts.meta.items()}
-    responses = decode_responses(tokenizer, gen.response_ids, gen.response_mask)
-    timings.score_s = time.perf_counter() - start
-    return Sampled(gen, prompt_texts, responses, meta), timings
+def repeat_rows(prompts: PromptBatch, group_size: int) -> tuple[list[str], dict[str, list[Any]]]:
+    """The prompt texts and extra columns of `prompts`, each row repeated `group_size` times (B = B0 x G)."""
+    texts = [text for text in prompts.texts for _ in range(group_size)]
+    meta = {key: [v for v in values for _ in range(group_size)] for key, values in prompts.meta.items()}
+    return texts, meta
 
 
-@torch.no_grad()
-def final_scores(
-    sampled: Sampled,
-    score: ScoreFn,
-    max_new_tokens: int,
-    truncated_score: float | None = None,
-    overlong: tuple[int, float] | None = None,
-) -> Tensor:
-    """(B,) float32 scores on the responses' device: `score`'s, then `truncated_score` for responses that hit the
-    length limit (when given), then DAPO's over-long shaping `overlong` = (buffer, penalty) added to every score."""
-    gen = sampled.gen
-    scores = score(sampled.prompts, sampled.responses, sampled.meta, gen).to(gen.response_ids.device).float()
-    if truncated_score is not None:
-        scores = torch.where(gen.truncated, torch.full_like(scores, truncated_score), scores)
-    if overlong is not None:
-        scores = scores + overlong_penalty(gen.response_mask.sum(1), max_new_tokens, *overlong)
-    return scores
+@dataclass
+class SingleTurnCollector:
+    """One response per sample: `backend` generates, the tokenizer decodes (in the calling thread: it is not
+    thread-safe), `score` scores, then the settings' truncation score and over-long shaping apply."""
 
+    backend: RolloutBackend
+    tokenizer: Any
+    score: ScoreFn
+    settings: RolloutSettings
 
-def collect_rollout(
-    prompts: PromptBatch,
-    policy: nn.Module,
-    tokenizer: Any,
-    score: ScoreFn,
-    group_size: int,
-    sampling: SamplingConfig,
-    truncated_score: float | None = None,
-    policy_version: int = 0,
-    overlong: tuple[int, float] | None = None,
-) -> tuple[Rollout, RolloutTimings]:
-    """Generate `group_size` responses per prompt (on the policy's device), decode and score them into a
-    `Rollout`; responses that hit the length limit score `truncated_score` when it is given. `overlong`:
-    (buffer, penalty) of DAPO's over-long shaping, added to every score after that."""
-    sampled, timings = sample_responses(prompts, policy, tokenizer, group_size, sampling)
-    start = time.perf_counter()
-    scores = final_scores(sampled, score, sampling.max_new_tokens, truncated_score, overlong)
-    timings.score_s += time.perf_counter() - start  # decoding and scoring
-    return sampled.rollout(scores, policy_version), timings
+    @torch.no_grad()
+    def sample(self, prompts: PromptBatch) -> tuple[Sampled, RolloutTimings]:
+        """Generate and decode; the timings hold the generation's seconds, and the decoding's as `score_s`."""
+        timings = RolloutTimings()
+        start = time.perf_counter()
+        gen = self.backend.generate(prompts, self.settings.group_size, self.settings.sampling)
+        timings.generate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        texts, meta = repeat_rows(prompts, self.settings.group_size)
+        responses = decode_responses(self.tokenizer, gen.response_ids, gen.response_mask)
+        timings.score_s = time.perf_counter() - start
+        return Sampled(gen, texts, responses, meta), timings
+
+    @torch.no_grad()
+    def final_scores(self, sampled: Sampled) -> Tensor:
+        """(B,) float32 scores on the responses' device: `score`'s, then `truncated_score` for responses that hit
+        the length limit (when set), then the over-long shaping (when on) added to every score."""
+        gen, settings = sampled.gen, self.settings
+        scores = self.score(sampled.prompts, sampled.responses, sampled.meta, gen).to(gen.response_ids.device).float()
+        if settings.truncated_score is not None:
+            scores = torch.where(gen.truncated, torch.full_like(scores, settings.truncated_score), scores)
+        if settings.overlong is not None:
+            lengths, max_new_tokens = gen.response_mask.sum(1), settings.sampling.max_new_tokens
+            scores = scores + overlong_penalty(lengths, max_new_tokens, *settings.overlong)
+        return scores
+
+    def collect(self, prompts: PromptBatch, policy_version: int = 0) -> tuple[Rollout, RolloutTimings]:
+        sampled, timings = self.sample(prompts)
+        start = time.perf_counter()
+        scores = self.final_scores(sampled)
+        timings.score_s += time.perf_counter() - start  # decoding and scoring
+        return sampled.rollout(scores, policy_version), timings

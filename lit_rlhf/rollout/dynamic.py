@@ -3,8 +3,9 @@ all tie has zero group-normalised advantage and gives no gradient, so it is drop
 (with the same policy, before the update) until the batch holds `B0` groups again, for at most
 `max_sampling_rounds` rounds.
 
-Extra prompts come from a second prompt stream per rank (`RolloutDataModule.refill_batch`), read at a slot fixed
-by the rollout's number, so a resumed run reads the same refill prompts without any saved state.
+Extra prompts come from a second prompt stream per rank (`RolloutDataModule.refill_batch`, handed to the module
+as `PromptSupply.refill_batch`), read at a slot fixed by the rollout's number, so a resumed run reads the same
+refill prompts without any saved state.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lit_rlhf.config import ConfigError
 from lit_rlhf.rollout.collect import RolloutTimings
 from lit_rlhf.types import PromptBatch, Rollout
 
@@ -149,15 +149,9 @@ def dynamic_metrics(timings: Any) -> dict[str, float]:
     return timings.metrics if isinstance(timings, DynamicTimings) else {}
 
 
-def refill_source(trainer: Any, rollout: int, max_rounds: int) -> Callable[[int], PromptBatch]:
-    """Extra round j's prompts for rollout `rollout`: this rank's refill stream at `refill_position`."""
-    data: Any = getattr(trainer, "datamodule", None)
-    refill_batch = getattr(data, "refill_batch", None)
-    if refill_batch is None:
-        raise ConfigError(
-            "algorithm.dynamic_sampling: needs more prompts than the batch to refill dropped groups, from a "
-            f"RolloutDataModule (got datamodule {type(data).__name__}); fit with a RolloutDataModule, or set "
-            "algorithm.dynamic_sampling: false"
-        )
-    batch_size = data.batch_size
+def refill_source(
+    refill_batch: Callable[[int], PromptBatch], batch_size: int, rollout: int, max_rounds: int
+) -> Callable[[int], PromptBatch]:
+    """Extra round j's prompts for rollout `rollout`: `refill_batch` (this rank's refill stream) at
+    `refill_position`."""
     return lambda j: refill_batch(refill_position(rollout, j, max_rounds, batch_size))

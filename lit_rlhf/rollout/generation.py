@@ -1,5 +1,6 @@
-"""Generation: `group_size` responses per prompt from either backend, with one shared post-processing
-(response mask up to the first EOS, pad after it, truncation flags), and decoding to text."""
+"""What every rollout backend returns (`Generation`: `group_size` responses per prompt on the response grid),
+the one post-processing of sampled ids (response mask up to the first EOS, pad after it, truncation flags), and
+decoding to text."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lit_rlhf.algorithms.losses import last_token_index
-from lit_rlhf.config import ConfigError, SamplingConfig
-from lit_rlhf.rollout.sampler import sample
+from lit_rlhf.config import ConfigError
 from lit_rlhf.types import PromptBatch
 
 
@@ -47,72 +47,16 @@ def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Ten
     return mask, truncated
 
 
-@torch.no_grad()
-def generate(
-    policy: nn.Module,
-    prompts: PromptBatch,
-    group_size: int,
-    sampling: SamplingConfig,
-    eos_token_id: int,
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
+def finish_generation(
+    prompts: PromptBatch, group_size: int, raw: Tensor, eos_token_id: int, pad_token_id: int
 ) -> Generation:
-    """Sample `group_size` responses per prompt (KV cache, stops at EOS).
-
-    `sampling.backend` 'lean' runs `lit_rlhf.rollout.sampler.sample` (it alone uses `generator`; None: the
-    global RNG; `sampling.compile`: its static-cache compiled decode steps); 'generate' runs Hugging Face
-    `generate` (global RNG). Both draw the same tokens for a seed.
-    """
+    """A backend's raw sampled ids (B, T) for `prompts` (B0 rows, B = B0 x G) -> the `Generation`: each prompt
+    repeated `group_size` times, the response mask up to the first EOS, pad after it, the truncation flags."""
     prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
     prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
-    if sampling.backend == "lean":
-        shared = sampling.share_prefill  # one prefill per prompt, its KV cache repeated group_size times
-        raw = sample(
-            policy,
-            prompts.input_ids if shared else prompt_ids,
-            prompts.attention_mask if shared else prompt_mask,
-            sampling.max_new_tokens,
-            eos_token_id,
-            pad_token_id,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            generator=generator,
-            do_sample=sampling.do_sample,
-            group_size=group_size if shared else 1,
-            compile=sampling.compile,
-        ).response_ids
-    else:
-        raw = hf_generate(policy, prompt_ids, prompt_mask, sampling, eos_token_id, pad_token_id)
     response_mask, truncated = response_mask_from_ids(raw, eos_token_id)
     response_ids = torch.where(response_mask, raw, torch.full_like(raw, pad_token_id))
     return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated)
-
-
-def hf_generate(
-    policy: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    sampling: SamplingConfig,
-    eos_token_id: int,
-    pad_token_id: int,
-) -> Tensor:
-    """Hugging Face `generate`: (B, P) left-padded prompts -> (B, T) raw response ids."""
-    from transformers import GenerationConfig
-
-    shaping = {"temperature": sampling.temperature, "top_k": sampling.top_k or None, "top_p": sampling.top_p}
-    config = GenerationConfig(
-        do_sample=sampling.do_sample,
-        max_new_tokens=sampling.max_new_tokens,
-        **(shaping if sampling.do_sample else {}),
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        use_cache=True,
-    )
-    out = policy.generate(  # type: ignore[operator]  # a transformers method: nn.Module types it Tensor | Module
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
-    )
-    return out[:, prompt_ids.shape[1] :]
 
 
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:

@@ -3,8 +3,8 @@
 The rollout's response grid holds the whole continuation after the prompt, the policy's and the environment's
 tokens interleaved; `response_mask` marks only the policy's tokens (the loss, KL, entropy and advantages see
 only those) and `context_mask` the environment's (attended, never trained on). Each policy turn re-prefills
-prompt + conversation so far (left padded) and samples with the configured backend, so both backends work and
-no KV cache is carried across turns.
+prompt + conversation so far (left padded) and samples with the rollout backend, so every backend works and no
+KV cache is carried across turns.
 
 Score: the sum of the environment's per-turn rewards plus the module's `compute_scores` (reward functions and
 reward model, 0 when there are none) on the decoded conversation. GRPO-family advantages broadcast it over the
@@ -19,11 +19,11 @@ import time
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
-from lit_rlhf.models.build import check_context_window
-from lit_rlhf.rollout.collect import RolloutTimings, ScoreFn
+from lit_rlhf.config import AlgorithmConfig, ConfigError
+from lit_rlhf.rollout.backends.base import RolloutBackend
+from lit_rlhf.rollout.collect import RolloutSettings, RolloutTimings, ScoreFn, repeat_rows
 from lit_rlhf.rollout.environment import (
     Environment,
     EnvironmentConfig,
@@ -32,7 +32,7 @@ from lit_rlhf.rollout.environment import (
     check_stop_strings,
     checked_step,
 )
-from lit_rlhf.rollout.generation import Generation, decode_responses, generate
+from lit_rlhf.rollout.generation import Generation, decode_responses
 from lit_rlhf.types import PromptBatch, Rollout
 
 
@@ -56,10 +56,22 @@ def check_multi_turn_settings(algo: AlgorithmConfig) -> None:
         )
 
 
-def multi_turn_collector(
+@dataclasses.dataclass(frozen=True)
+class Conversations:
+    """The environment the policy talks to, and each episode's limits: at most `max_turns` policy turns and
+    `max_total_tokens` tokens after the prompt (policy and environment tokens together)."""
+
+    env: Environment
+    max_turns: int
+    max_total_tokens: int
+
+    budget = "model.environment.max_total_tokens"
+
+
+def conversations_from(
     config: EnvironmentConfig | dict[str, Any] | None, algo: AlgorithmConfig
-) -> MultiTurnCollector | None:
-    """The collector for `model.environment` (None: single-turn rollouts); every check runs here, before any
+) -> Conversations | None:
+    """The environment of `model.environment` (None: single-turn rollouts); every check runs here, before any
     model loads."""
     if config is None:
         return None
@@ -67,7 +79,9 @@ def multi_turn_collector(
     if not isinstance(config, EnvironmentConfig):
         raise ConfigError(f"model.environment: {config!r}; give {{name: builtin:peek, max_turns: 4, ...}} or null")
     check_multi_turn_settings(algo)
-    return MultiTurnCollector(build_environment(config), config.max_turns, config.max_total_tokens)
+    env = build_environment(config)
+    check_stop_strings(env)
+    return Conversations(env, config.max_turns, config.max_total_tokens)
 
 
 def stop_cut(tokenizer: Any, tokens: list[int], stops: tuple[str, ...] | list[str]) -> int | None:
@@ -113,72 +127,90 @@ class Conversation:
         self.running, self.truncated = False, truncated
 
 
+@dataclasses.dataclass
 class MultiTurnCollector:
-    """Collects multi-turn rollouts against `env`: at most `max_turns` policy turns and `max_total_tokens`
-    conversation tokens per episode (the grid width T is the longest conversation)."""
+    """Collects multi-turn rollouts (`Collector`): `group_size` episodes per prompt against the environment, each
+    policy turn sampled by `backend`; the grid width T is the longest conversation."""
 
-    budget = "model.environment.max_total_tokens"
-
-    def __init__(self, env: Environment, max_turns: int, max_total_tokens: int):
-        check_stop_strings(env)
-        self.env, self.max_turns, self.max_total_tokens = env, max_turns, max_total_tokens
+    conversations: Conversations
+    backend: RolloutBackend
+    tokenizer: Any
+    score: ScoreFn
+    settings: RolloutSettings
 
     @torch.no_grad()
-    def collect(
-        self,
-        prompts: PromptBatch,
-        policy: nn.Module,
-        tokenizer: Any,
-        score: ScoreFn,
-        group_size: int,
-        sampling: SamplingConfig,
-        truncated_score: float | None = None,
-        policy_version: int = 0,
-        overlong: tuple[int, float] | None = None,
-    ) -> tuple[Rollout, RolloutTimings]:
-        """`collect_rollout`'s contract for conversations: `group_size` episodes per prompt, scored."""
-        if overlong is not None:
+    def collect(self, prompts: PromptBatch, policy_version: int = 0) -> tuple[Rollout, RolloutTimings]:
+        """The episodes played to their end, then scored: the environment's rewards plus `score`'s."""
+        if self.settings.overlong is not None:
             raise ConfigError("model.algorithm.overlong_buffer: not supported with model.environment; set it to null")
-        check_context_window({"model.policy": policy}, prompts.input_ids.shape[1], {self.budget: self.max_total_tokens})
         timings = RolloutTimings()
-        device = next(policy.parameters()).device
-        prompts = prompts.to(device)
-        G = group_size
+        prompts = prompts.to(self.backend.device)
+        G = self.settings.group_size
+        texts, meta = repeat_rows(prompts, G)
         prompt_ids = prompts.input_ids.repeat_interleave(G, dim=0)  # (B, P)
         prompt_mask = prompts.attention_mask.repeat_interleave(G, dim=0)  # (B, P)
-        prompt_texts = [text for text in prompts.texts for _ in range(G)]
-        meta = {key: [v for v in values for _ in range(G)] for key, values in prompts.meta.items()}
-        B = len(prompt_texts)
-        rows = [{"prompt": prompt_texts[b], **{key: column[b] for key, column in meta.items()}} for b in range(B)]
-        states = check_reset(self.env, self.env.reset(rows), B)
+        start = time.perf_counter()
+        episodes = self.play(prompt_ids, prompt_mask, texts, meta)
+        timings.generate_s = time.perf_counter() - start
+        start = time.perf_counter()
+        rollout = self.scored_rollout(episodes, prompt_ids, prompt_mask, texts, meta, policy_version)
+        timings.score_s = time.perf_counter() - start
+        return rollout, timings
+
+    def play(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, texts: list[str], meta: dict[str, list[Any]]
+    ) -> list[Conversation]:
+        """Every episode (B = B0 x G rows of prompt_ids, prompt_mask (B, P)) from reset to its end: policy turns
+        and the environment's answers."""
+        env = self.conversations.env
+        B = len(texts)
+        rows = [{"prompt": texts[b], **{key: column[b] for key, column in meta.items()}} for b in range(B)]
+        states = check_reset(env, env.reset(rows), B)
         episodes = [
             Conversation(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)
         ]
-        start = time.perf_counter()
-        for turn in range(self.max_turns):
+        for turn in range(self.conversations.max_turns):
             live = [b for b in range(B) if episodes[b].running]
             if not live:
                 break
-            actions = self.policy_turn(policy, tokenizer, sampling, [episodes[b] for b in live], device)
-            result = checked_step(self.env, [states[b] for b in live], [text for text, _ in actions])
+            actions = self.policy_turn([episodes[b] for b in live])
+            result = checked_step(env, [states[b] for b in live], [text for text, _ in actions])
             for i, b in enumerate(live):
-                episode, (_, hit_limit) = episodes[b], actions[i]
                 states[b] = result.states[i]
-                episode.reward += float(result.rewards[i])
-                if hit_limit or episode.tokens[-1] == tokenizer.eos_token_id or result.done[i]:
-                    episode.end(truncated=hit_limit)  # as single-turn: truncated when a turn hit its token limit
-                    continue
-                observation = tokenizer.encode(result.observations[i], add_special_tokens=False)
-                room = self.max_total_tokens - len(episode.tokens) - len(observation)
-                if turn + 1 == self.max_turns or room < 1:  # no turn left, or no room for another policy token
-                    episode.end(truncated=True)
-                else:
-                    episode.add(observation, by_policy=False)
-        timings.generate_s = time.perf_counter() - start
+                self.answer(
+                    episodes[b], turn, actions[i][1], float(result.rewards[i]), result.done[i], result.observations[i]
+                )
+        return episodes
 
-        start = time.perf_counter()
-        T = max(len(e.tokens) for e in episodes)
-        response_ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
+    def answer(
+        self, episode: Conversation, turn: int, hit_limit: bool, reward: float, done: bool, observation: str
+    ) -> None:
+        """After a policy turn: the episode's reward, then its end or the environment's observation."""
+        episode.reward += reward
+        if hit_limit or episode.tokens[-1] == self.tokenizer.eos_token_id or done:
+            episode.end(truncated=hit_limit)  # as single-turn: truncated when a turn hit its token limit
+            return
+        observed = self.tokenizer.encode(observation, add_special_tokens=False)
+        room = self.conversations.max_total_tokens - len(episode.tokens) - len(observed)
+        if turn + 1 == self.conversations.max_turns or room < 1:  # no turn left, or no room for another policy token
+            episode.end(truncated=True)
+        else:
+            episode.add(observed, by_policy=False)
+
+    def scored_rollout(
+        self,
+        episodes: list[Conversation],
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        texts: list[str],
+        meta: dict[str, list[Any]],
+        policy_version: int,
+    ) -> Rollout:
+        """The conversations on one response grid (policy tokens in `response_mask`, the environment's in
+        `context_mask`), decoded and scored."""
+        device, pad = prompt_ids.device, self.tokenizer.pad_token_id
+        B, T = len(episodes), max(len(e.tokens) for e in episodes)
+        response_ids = torch.full((B, T), pad, dtype=torch.long)
         response_mask = torch.zeros(B, T, dtype=torch.bool)
         context_mask = torch.zeros(B, T, dtype=torch.bool)
         for b, episode in enumerate(episodes):
@@ -189,14 +221,13 @@ class MultiTurnCollector:
         response_ids, response_mask, context_mask = (x.to(device) for x in (response_ids, response_mask, context_mask))
         truncated = torch.tensor([e.truncated for e in episodes], dtype=torch.bool, device=device)
         attended = response_mask | context_mask
-        responses = decode_responses(tokenizer, response_ids, attended)
+        responses = decode_responses(self.tokenizer, response_ids, attended)
         conversation = Generation(prompt_ids, prompt_mask, response_ids, attended, truncated)
-        scores = score(prompt_texts, responses, meta, conversation).to(device).float()
+        scores = self.score(texts, responses, meta, conversation).to(device).float()
         scores = scores + torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
-        if truncated_score is not None:
-            scores = torch.where(truncated, torch.full_like(scores, truncated_score), scores)
-        timings.score_s = time.perf_counter() - start
-        rollout = Rollout(
+        if self.settings.truncated_score is not None:
+            scores = torch.where(truncated, torch.full_like(scores, self.settings.truncated_score), scores)
+        return Rollout(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             response_ids=response_ids,
@@ -204,31 +235,28 @@ class MultiTurnCollector:
             context_mask=context_mask,
             truncated=truncated,
             scores=scores,
-            prompts=prompt_texts,
+            prompts=texts,
             responses=responses,
             meta=meta,
             policy_version=policy_version,
         )
-        return rollout, timings
 
-    def policy_turn(
-        self, policy: nn.Module, tokenizer: Any, sampling: SamplingConfig, episodes: list[Conversation], device: Any
-    ) -> list[tuple[str, bool]]:
+    def policy_turn(self, episodes: list[Conversation]) -> list[tuple[str, bool]]:
         """One policy turn for each running episode: its tokens are appended; returns (turn text without EOS,
         whether it ended at the token limit rather than at EOS or a stop string) per episode."""
-        room = [self.max_total_tokens - len(e.tokens) for e in episodes]
+        tokenizer, sampling = self.tokenizer, self.settings.sampling
+        room = [self.conversations.max_total_tokens - len(e.tokens) for e in episodes]
         limit = min(sampling.max_new_tokens, max(room))
-        ids, mask = left_pad([e.prompt + e.tokens for e in episodes], tokenizer.pad_token_id, device)
+        ids, mask = left_pad([e.prompt + e.tokens for e in episodes], tokenizer.pad_token_id, self.backend.device)
         batch = PromptBatch(input_ids=ids, attention_mask=mask, texts=[""] * len(episodes))
-        settings = dataclasses.replace(sampling, max_new_tokens=limit)
-        gen = generate(policy, batch, 1, settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        gen = self.backend.generate(batch, 1, dataclasses.replace(sampling, max_new_tokens=limit))
         out = []
         for i, episode in enumerate(episodes):
             cap = min(limit, room[i])
             tokens = gen.response_ids[i][gen.response_mask[i]].tolist()[:cap]  # up to and including EOS
             eos = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
             body = tokens[:-1] if eos else tokens
-            cut = stop_cut(tokenizer, body, self.env.stop_strings)
+            cut = stop_cut(tokenizer, body, self.conversations.env.stop_strings)
             if cut is not None:
                 tokens, body, eos = body[:cut], body[:cut], False
             episode.add(tokens, by_policy=True)

@@ -16,8 +16,8 @@ The loop skips `generate`'s per-step machinery (logits-processor and stopping-cr
 `prepare_inputs_for_generation`, growing `input_ids` with `torch.cat`), which is most of the cost of a
 small model's decode step.
 
-With `static_cache` / `compile` (`sampling.compile`) the decode steps run over a static KV cache of fixed shapes,
-compiled with `torch.compile` (`lit_rlhf.rollout.static_decode`); everything else is this loop.
+With `static_cache` / `compile` (`sampling.backend: compiled`) the decode steps run over a static KV cache of
+fixed shapes, compiled with `torch.compile` (`lit_rlhf.rollout.static_decode`); everything else is this loop.
 """
 
 from __future__ import annotations
@@ -73,6 +73,91 @@ def _repeat_cache(cache: Any, repeats: int) -> Any:
     return cache
 
 
+@dataclass
+class DecodeGrid:
+    """Where each decode step writes: B = B0 x G rows, P prompt columns, then `max_new_tokens` new ones."""
+
+    full_mask: Tensor  # (B, P + max_new_tokens): the prompts' mask, then 1 for every generated column (as generate)
+    prefill_positions: Tensor  # (B0, P): cumulative sum of the mask minus one, clamped at 0
+    next_position: Tensor  # (B, 1): the first generated token's position id
+    step_positions: Tensor  # (B, max_new_tokens): the position id of each step's token
+
+    @classmethod
+    def of(cls, attention_mask: Tensor, group_size: int, max_new_tokens: int) -> DecodeGrid:
+        B0, P = attention_mask.shape
+        device = attention_mask.device
+        full_mask = torch.ones(B0 * group_size, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
+        full_mask[:, :P] = attention_mask.repeat_interleave(group_size, dim=0)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B0, P)
+        next_position = positions[:, -1:].repeat_interleave(group_size, dim=0) + 1  # (B, 1)
+        step_positions = next_position + torch.arange(max_new_tokens, device=device)  # (B, max_new_tokens)
+        return cls(full_mask, positions, next_position, step_positions)
+
+
+class DynamicCacheSteps:
+    """Decode steps through the model's growing KV cache (the prefill's, rows repeated G times)."""
+
+    def __init__(self, model: nn.Module, cache: Any, grid: DecodeGrid, prompt_width: int) -> None:
+        self.model, self.cache, self.grid, self.P = model, cache, grid, prompt_width
+        self.cache_key = cache_keyword(model)
+
+    def step(self, next_tokens: Tensor, t: int) -> Tensor:
+        """The tokens drawn at step t, (B,) -> the logits for step t + 1, (B, V)."""
+        out = self.model(
+            input_ids=next_tokens[:, None],
+            attention_mask=self.grid.full_mask[:, : self.P + t + 1],
+            position_ids=self.grid.step_positions[:, t : t + 1],
+            use_cache=True,
+            **{self.cache_key: self.cache},
+        )
+        self.cache = returned_cache(out)
+        return out.logits[:, -1]
+
+
+def prefill(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    grid: DecodeGrid,
+    group_size: int,
+    static_cache: bool,
+    compile: bool,
+) -> tuple[Tensor, DynamicCacheSteps | StaticDecoder]:
+    """One forward over the B0 prompts -> the first step's logits (B, V), each row repeated G times, and the
+    decode steps that continue from the prompts' KV cache (static and maybe compiled, or the dynamic cache)."""
+    keep_last = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=grid.prefill_positions,
+        use_cache=True,
+        **keep_last,
+    )
+    cache = returned_cache(out)
+    last_logits = out.logits[:, -1]  # (B0, V)
+    P = input_ids.shape[1]
+    max_new_tokens = grid.step_positions.shape[1]
+    steps: DynamicCacheSteps | StaticDecoder
+    if static_cache or compile:  # copies the prefill cache, each row G times
+        cache_key = cache_keyword(model)
+        mask = grid.full_mask[:, :P]
+        steps = StaticDecoder(model, cache, mask, grid.next_position, max_new_tokens, cache_key, keep_last, compile)
+    else:
+        steps = DynamicCacheSteps(model, _repeat_cache(cache, group_size) if group_size > 1 else cache, grid, P)
+    if group_size > 1:
+        last_logits = last_logits.repeat_interleave(group_size, dim=0)  # (B, V)
+    return last_logits, steps
+
+
+def draw(logits: Tensor, do_sample: bool, top_k: int, top_p: float, generator: torch.Generator | None) -> Tensor:
+    """One token per row from float32 logits already divided by the temperature, (B, V) -> (B,): a sample
+    after top-k/top-p masking, or the argmax (greedy)."""
+    if do_sample:
+        probs = torch.softmax(mask_logits(logits, top_k, top_p), dim=-1)
+        return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return logits.argmax(dim=-1)
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module,
@@ -101,24 +186,12 @@ def sample(
     `stop_check_every`: steps between "has every sequence ended?" checks, each a host synchronisation on an
     accelerator (None: 1 on CPU, 8 elsewhere). The output does not depend on it.
     `static_cache`: decode over a transformers `StaticCache` of fixed shapes (`lit_rlhf.rollout.static_decode`);
-    `compile`: that, with the decode step `torch.compile`d (`sampling.compile`). The same draws either way.
+    `compile`: that, with the decode step `torch.compile`d (`sampling.backend: compiled`). The same draws.
     """
     if group_size < 1:
         raise ValueError(f"sample: group_size must be >= 1, got {group_size}")
-    G = group_size
-    B0, P = input_ids.shape
-    B = B0 * G
-    device = input_ids.device
-    cache_key = cache_keyword(model)
-    keep_last = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
-
-    # The full attention mask, preallocated: prompt mask, then 1 for every generated column (as `generate`).
-    full_mask = torch.ones(B, P + max_new_tokens, dtype=attention_mask.dtype, device=device)
-    full_mask[:, :P] = attention_mask.repeat_interleave(G, dim=0)
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B0, P)
-    next_position = positions[:, -1:].repeat_interleave(G, dim=0) + 1  # (B, 1)
-    step_positions = next_position + torch.arange(max_new_tokens, device=device)  # (B, max_new_tokens)
-
+    B, device = input_ids.shape[0] * group_size, input_ids.device
+    grid = DecodeGrid.of(attention_mask, group_size, max_new_tokens)
     tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
@@ -126,60 +199,26 @@ def sample(
     pad = torch.tensor(pad_token_id, dtype=torch.long, device=device)
     # On an accelerator, asking "all finished?" synchronises with the host; do it every few steps there.
     check_every = stop_check_every or (1 if device.type == "cpu" else 8)
-
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, **keep_last)
-    cache = returned_cache(out)
-    last_logits = out.logits[:, -1]  # (B0, V)
-    decoder = None
-    if static_cache or compile:  # copies the prefill cache, each row G times
-        decoder = StaticDecoder(
-            model, cache, full_mask[:, :P], next_position, max_new_tokens, cache_key, keep_last, compile
-        )
-        cache = None
-    elif G > 1:
-        cache = _repeat_cache(cache, G)
-    if G > 1:
-        last_logits = last_logits.repeat_interleave(G, dim=0)  # (B, V)
-    steps = 0
+    last_logits, steps = prefill(model, input_ids, attention_mask, grid, group_size, static_cache, compile)
+    ran = 0
     for t in range(max_new_tokens):
         logits = last_logits.float()  # (B, V)
         if temperature != 1.0:
             logits = logits / temperature
-        if return_logprobs:
-            raw_logits = logits
-        if do_sample:
-            probs = torch.softmax(mask_logits(logits, top_k, top_p), dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)  # (B,)
-        else:
-            next_tokens = logits.argmax(dim=-1)  # (B,)
-        next_tokens = torch.where(unfinished, next_tokens, pad)
+        next_tokens = torch.where(unfinished, draw(logits, do_sample, top_k, top_p, generator), pad)  # (B,)
         tokens[:, t] = next_tokens
         if logprobs is not None:
-            picked = raw_logits.gather(-1, next_tokens[:, None]).squeeze(-1)
-            logprobs[:, t] = picked - torch.logsumexp(raw_logits, dim=-1)
+            picked = logits.gather(-1, next_tokens[:, None]).squeeze(-1)
+            logprobs[:, t] = picked - torch.logsumexp(logits, dim=-1)
         alive_before[t] = unfinished.any()
         unfinished = unfinished & (next_tokens != eos_token_id)
-        steps = t + 1
-        if t + 1 == max_new_tokens:
+        ran = t + 1
+        if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and not bool(unfinished.any())):
             break
-        if (t + 1) % check_every == 0 and not bool(unfinished.any()):
-            break
-        if decoder is not None:
-            last_logits = decoder.step(next_tokens, t)
-            continue
-        out = model(
-            input_ids=next_tokens[:, None],
-            attention_mask=full_mask[:, : P + t + 1],
-            position_ids=step_positions[:, t : t + 1],
-            use_cache=True,
-            **{cache_key: cache},
-        )
-        cache = returned_cache(out)
-        last_logits = out.logits[:, -1]
-    del out, cache, last_logits, decoder
+        last_logits = steps.step(next_tokens, t)
+    del last_logits, steps
     # With a deferred stop check some trailing steps may have run after every sequence had ended: drop them.
     if check_every > 1:
-        steps = int(alive_before[:steps].nonzero().max()) + 1 if bool(alive_before[:steps].any()) else 0
-        steps = max(steps, 1)
-    response_ids = tokens[:, :steps]
-    return SampleOutput(response_ids, logprobs[:, :steps] if logprobs is not None else None)
+        ran = int(alive_before[:ran].nonzero().max()) + 1 if bool(alive_before[:ran].any()) else 0
+        ran = max(ran, 1)
+    return SampleOutput(tokens[:, :ran], logprobs[:, :ran] if logprobs is not None else None)

@@ -3,8 +3,8 @@ thread while the reference's and the sampling policy's forwards run on the train
 
 Phase 3's forwards read the responses, never the scores; only the advantages need them, so the scores are joined
 right before those. Generation and decoding (the tokenizer is not thread-safe) stay on the training thread; the
-thread runs `compute_scores` and the truncation and over-long shaping after it (`collect.final_scores`), i.e. the
-serial path's exact computation, so scores, experience and update are the same. The thread is a daemon, as in
+thread runs `compute_scores` and the truncation and over-long shaping after it (`SingleTurnCollector.final_scores`),
+i.e. the serial path's exact computation, so scores, experience and update are the same. The thread is a daemon, as in
 `lit_rlhf.rewards.parallel`: a stuck checker never blocks the interpreter's exit, and the join waits in short
 slices so Ctrl-C reaches the training thread.
 """
@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lit_rlhf.config import SamplingConfig
-from lit_rlhf.rollout.collect import RolloutTimings, Sampled, ScoreFn, final_scores, sample_responses
+from lit_rlhf.rollout.collect import RolloutTimings, Sampled, SingleTurnCollector
 from lit_rlhf.types import PromptBatch, Rollout
 
 _JOIN_SLICE_S = 0.1  # the join waits this long at a time, so a KeyboardInterrupt is seen between slices
@@ -84,25 +83,13 @@ class PendingRollout:
 
 
 def start_rollout(
-    prompts: PromptBatch,
-    policy: nn.Module,
-    tokenizer: Any,
-    score: ScoreFn,
-    group_size: int,
-    sampling: SamplingConfig,
-    truncated_score: float | None = None,
-    policy_version: int = 0,
-    overlong: tuple[int, float] | None = None,
+    collector: SingleTurnCollector, prompts: PromptBatch, policy_version: int = 0
 ) -> tuple[PendingRollout, OverlapTimings]:
-    """`collect_rollout`'s contract, except that it returns as soon as the responses are decoded, their scores
+    """`collector.collect`'s contract, except that it returns as soon as the responses are decoded, their scores
     being computed on a background thread (`PendingRollout`)."""
-    sampled, sample_timings = sample_responses(prompts, policy, tokenizer, group_size, sampling)
+    sampled, sample_timings = collector.sample(prompts)
     timings = OverlapTimings(**dataclasses.asdict(sample_timings))
-
-    def compute() -> Tensor:
-        return final_scores(sampled, score, sampling.max_new_tokens, truncated_score, overlong)
-
-    return PendingRollout(sampled, compute, policy_version, timings), timings
+    return PendingRollout(sampled, lambda: collector.final_scores(sampled), policy_version, timings), timings
 
 
 def split_pending(rollout: Rollout | PendingRollout) -> tuple[Rollout, Callable[[], Rollout]]:

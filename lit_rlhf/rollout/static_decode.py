@@ -1,5 +1,5 @@
 """The decode steps of `lit_rlhf.rollout.sampler.sample` over a static KV cache, optionally `torch.compile`d
-(`sampling.compile`).
+(`sampling.backend: compiled`).
 
 The default loop's cache grows by one column per step, so every step has new shapes. Here the cache is a
 transformers `StaticCache` of a fixed length L (prompt width + max_new_tokens rounded up to a multiple of
@@ -42,13 +42,13 @@ def static_cache_length(prompt_width: int, max_new_tokens: int, bucket: int = BU
 
 
 def check_static_cache_support(model: nn.Module) -> None:
-    """Raise a `ConfigError` naming `sampling.compile` unless `model` (or the model a peft wrapper holds) is a
+    """Raise a `ConfigError` naming `sampling.backend` unless `model` (or the model a peft wrapper holds) is a
     transformers model that declares it runs with a static cache under `torch.compile`."""
     base = base_model(model)
     if not getattr(base, "_can_compile_fullgraph", False) or getattr(base, "config", None) is None:
         raise ConfigError(
-            f"sampling.compile: {type(base).__name__} does not declare support for a static KV cache under "
-            "torch.compile (transformers' `_can_compile_fullgraph`); set sampling.compile: false"
+            f"sampling.backend 'compiled': {type(base).__name__} does not declare support for a static KV "
+            "cache under torch.compile (transformers' `_can_compile_fullgraph`); set sampling.backend: lean"
         )
 
 
@@ -118,9 +118,9 @@ class StaticDecoder:
         layers = getattr(prefill_cache, "layers", None)
         if not layers or any(getattr(layer, "is_sliding", False) for layer in layers):
             raise ConfigError(
-                f"sampling.compile: the prefill returned a {type(prefill_cache).__name__} cache that is not a "
-                "transformers Cache of full-attention layers (sliding-window attention cannot be copied into a "
-                "static cache); set sampling.compile: false"
+                f"sampling.backend 'compiled': the prefill returned a {type(prefill_cache).__name__} cache "
+                "that is not a transformers Cache of full-attention layers (sliding-window attention cannot be "
+                "copied into a static cache); set sampling.backend: lean"
             )
         length = static_cache_length(P, max_new_tokens)
         repeats = B // layers[0].keys.shape[0]
@@ -129,8 +129,9 @@ class StaticDecoder:
             keys, values = layer.keys, layer.values  # (B0, heads, P, head_dim)
             if keys.shape[-2] != P:
                 raise ConfigError(
-                    f"sampling.compile: layer {index} of the prefill cache holds {keys.shape[-2]} positions for a "
-                    f"{P}-token prompt, so it cannot be copied into a static cache; set sampling.compile: false"
+                    f"sampling.backend 'compiled': layer {index} of the prefill cache holds "
+                    f"{keys.shape[-2]} positions for a {P}-token prompt, so it cannot be copied into a static "
+                    "cache; set sampling.backend: lean"
                 )
             self.cache.update(keys.repeat_interleave(repeats, 0), values.repeat_interleave(repeats, 0), index)
         self.model = model
@@ -156,6 +157,7 @@ class StaticDecoder:
                 return self.step_fn(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit as error:
             raise RuntimeError(
-                f"sampling.compile: the decode step has been compiled for {MAX_COMPILED_SHAPES} (model, batch size, "
-                f"cache length) shapes in this process; keep the batch size fixed, or set sampling.compile: false"
+                f"sampling.backend 'compiled': the decode step has been compiled for {MAX_COMPILED_SHAPES} "
+                "(model, batch size, cache length) shapes in this process; keep the batch size fixed, or set "
+                "sampling.backend: lean"
             ) from error

@@ -16,38 +16,53 @@ import warnings
 from typing import Any
 
 import lightning as L
+from torch import nn
 
 from lit_rlhf.config import ConfigError, SamplingConfig
+from lit_rlhf.data.handoff import PromptSupply
 from lit_rlhf.models.build import check_context_window
+from lit_rlhf.rewards.reward_model import SequenceRewardModel
+from lit_rlhf.rollout.multi_turn import Conversations
+from lit_rlhf.types import PromptBatch
 
 
 class ContextWindowCheck(L.LightningModule):
-    """For a module with `actor_critic`, `reference`, `reward_model`, `sampling` and `val_sampling`."""
+    """For a module with the models, the sampling settings, the environment and the DataModule's supply."""
 
     actor_critic: Any
+    reference: nn.Module | None
+    reward_model: SequenceRewardModel | None
     sampling: SamplingConfig
     val_sampling: SamplingConfig
+    conversations: Conversations | None
+    prompt_supply: PromptSupply | None
 
     def context_models(self) -> dict[str, Any]:
         """The models that read prompt + response token ids, by setting name."""
         models = {"model.policy": self.actor_critic.policy}
-        reference = getattr(self, "reference", None)
-        if reference is not None:
-            models["model.reference"] = reference
-        reward_model = getattr(self, "reward_model", None)
+        if self.reference is not None:
+            models["model.reference"] = self.reference
+        reward_model = self.reward_model
         if reward_model is not None and reward_model.tokenizer is None:  # a reward model with its own tokens re-reads
             models["model.reward_model"] = reward_model.model
         return models
 
+    def response_budgets(self, field: str, sampling: SamplingConfig) -> dict[str, int]:
+        """The longest response in tokens, by the setting that limits it: `field` (a sampling setting's
+        max_new_tokens), and with an environment the whole conversation's budget."""
+        budgets = {field: sampling.max_new_tokens}
+        if self.conversations is not None:
+            budgets[self.conversations.budget] = self.conversations.max_total_tokens
+        return budgets
+
     def on_fit_start(self) -> None:
-        max_prompt_length = getattr(getattr(self.trainer, "datamodule", None), "max_prompt_length", None)
-        if max_prompt_length is not None:
+        if self.prompt_supply is not None:
             new_tokens = {
-                "model.sampling.max_new_tokens": self.sampling.max_new_tokens,
-                "model.val_sampling.max_new_tokens": self.val_sampling.max_new_tokens,
+                **self.response_budgets("model.sampling.max_new_tokens", self.sampling),
+                **self.response_budgets("model.val_sampling.max_new_tokens", self.val_sampling),
             }
             try:
-                check_context_window(self.context_models(), max_prompt_length, new_tokens)
+                check_context_window(self.context_models(), self.prompt_supply.max_prompt_length, new_tokens)
             except ConfigError as err:
                 warnings.warn(
                     f"{err} (only a prompt that long fails, with an error before it is sampled)", stacklevel=2
@@ -55,10 +70,11 @@ class ContextWindowCheck(L.LightningModule):
         super().on_fit_start()
 
     def _check_batch(self, batch: Any, sampling_field: str, sampling: SamplingConfig) -> None:
-        ids = getattr(batch, "input_ids", None)
-        if ids is not None:
-            new_tokens = {sampling_field: sampling.max_new_tokens}
-            check_context_window(self.context_models(), ids.shape[-1], new_tokens, "this batch's prompt tokens")
+        if isinstance(batch, PromptBatch):
+            new_tokens = self.response_budgets(sampling_field, sampling)
+            check_context_window(
+                self.context_models(), batch.input_ids.shape[-1], new_tokens, "this batch's prompt tokens"
+            )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         self._check_batch(batch, "model.sampling.max_new_tokens", self.sampling)

@@ -10,10 +10,9 @@ the prompts differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import lightning as L
 import torch
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
@@ -21,22 +20,16 @@ from torchmetrics import MeanMetric
 from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.rewards.functions import RewardFn, call_reward_fn, callable_name
-from lit_rlhf.rollout.collect import collect_rollout
+from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.training import metrics as logs
+from lit_rlhf.training.rollouts import Rollouts
 from lit_rlhf.types import PromptBatch, Rollout
 
 
-class HeldOutEvaluation(L.LightningModule):
-    """Validation, test and prediction for a module with `actor_critic`, `tokenizer` and `compute_scores`."""
-
-    actor_critic: Any
-    tokenizer: Any
-
-    def compute_scores(
-        self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation
-    ) -> Tensor:
-        raise NotImplementedError
+class HeldOutEvaluation(Rollouts):
+    """Validation, test and prediction, with the module's rollouts (`Rollouts.collector`): conversations when
+    there is an environment."""
 
     def setup_evaluation(
         self, metric_fns: Sequence[RewardFn], val_sampling: SamplingConfig, samples_per_prompt: int
@@ -50,26 +43,16 @@ class HeldOutEvaluation(L.LightningModule):
                 f"model.metric_fns: two metric functions share a name: {list(map(callable_name, metric_fns))}"
             )
         self.val_sampling, self.val_samples_per_prompt = val_sampling, samples_per_prompt
+        self.held_out_settings = RolloutSettings(samples_per_prompt, val_sampling)
         keys = ["reward_mean", "response_len_mean", "frac_truncated", *self.metric_fns]
         if samples_per_prompt > 1:
             keys += [f"{name}_pass@{samples_per_prompt}" for name in self.metric_fns]
         self.eval_means = nn.ModuleDict({key: MeanMetric() for key in keys})
 
-    def rollout_collector(self) -> Callable[..., tuple[Rollout, Any]]:
-        """What samples and scores a batch of prompts (`collect_rollout`'s contract); training uses it too."""
-        return collect_rollout
-
     def answer(self, prompts: PromptBatch) -> Rollout:
         """`val_samples_per_prompt` responses to each prompt with `val_sampling`, scored: a `Rollout`."""
         with eval_mode(self.actor_critic):
-            rollout, _ = self.rollout_collector()(
-                prompts,
-                self.actor_critic.policy,
-                self.tokenizer,
-                self.compute_scores,
-                self.val_samples_per_prompt,
-                self.val_sampling,
-            )
+            rollout, _ = self.collector(self.held_out_settings).collect(prompts, self.state.policy_version)
         return rollout
 
     def evaluation_values(self, rollout: Rollout) -> dict[str, Tensor]:
@@ -124,8 +107,11 @@ class HeldOutEvaluation(L.LightningModule):
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = PromptBatch(encoded["input_ids"], encoded["attention_mask"], texts)
         settings = sampling if sampling is not None else self.val_sampling
+        collector = SingleTurnCollector(
+            self.backend(settings.backend), self.tokenizer, _no_score, RolloutSettings(n, settings)
+        )
         with eval_mode(self.actor_critic):
-            rollout, _ = collect_rollout(batch, self.actor_critic.policy, self.tokenizer, _no_score, n, settings)
+            rollout, _ = collector.collect(batch, self.state.policy_version)
         return rollout.responses
 
 

@@ -7,7 +7,7 @@ scoring in `lit_rlhf.rollout`, model building in `lit_rlhf.models.build`, resume
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,27 +22,34 @@ from lit_rlhf.algorithms.experience import (
     shaping_metrics,
 )
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
-from lit_rlhf.config import AlgorithmConfig, LRSchedule, SamplingConfig, check_module_settings
+from lit_rlhf.config import (
+    AlgorithmConfig,
+    LRSchedule,
+    SamplingConfig,
+    algorithm_and_sampling,
+    check_module_settings,
+    held_out_sampling,
+)
 from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.models.lora import lora_config
 from lit_rlhf.rewards.composer import RewardComposer
-from lit_rlhf.rewards.functions import RewardFn, callable_path, resolve_reward_fns
+from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
-from lit_rlhf.rollout.collect import collect_rollout
+from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.dynamic import dynamic_metrics, dynamic_rollout, refill_source
 from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
-from lit_rlhf.rollout.multi_turn import multi_turn_collector
+from lit_rlhf.rollout.multi_turn import conversations_from
 from lit_rlhf.rollout.scoring import PendingRollout, overlap_metrics, split_pending, start_rollout
 from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
-from lit_rlhf.training.state import ExactResume, TrainingState
+from lit_rlhf.training.state import ExactResume, TrainingState, named_settings
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
@@ -110,29 +117,23 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
     ):
         super().__init__()
         self.automatic_optimization = False
-        # dicts: as stored in a (weights-only loadable) checkpoint
-        self.algorithm = AlgorithmConfig(**algorithm) if isinstance(algorithm, dict) else algorithm or AlgorithmConfig()
-        self.sampling = SamplingConfig(**sampling) if isinstance(sampling, dict) else sampling or SamplingConfig()
+        self.algorithm, self.sampling = algorithm_and_sampling(algorithm, sampling)
         check_module_settings(locals(), self.sampling)  # every argument, before any model loads
-        self.multi_turn = multi_turn_collector(environment, self.algorithm)  # None: single-turn
-        self.algorithm.check_sampling(self.sampling)
-        greedy = SamplingConfig(max_new_tokens=self.sampling.max_new_tokens, do_sample=False)
-        val = SamplingConfig(**val_sampling) if isinstance(val_sampling, dict) else val_sampling or greedy
+        algo = self.algorithm
+        training = RolloutSettings(algo.filled.group_size, self.sampling, algo.truncated_score, algo.overlong)
+        self.setup_rollouts(conversations_from(environment, algo), training)
+        val = held_out_sampling(val_sampling, self.sampling)
         self.setup_evaluation(resolve_reward_fns(metric_fns, "model.metric_fns"), val, val_samples_per_prompt)
         if lora is not None:
             lora_config(lora)  # fail on bad LoRA settings before any model is loaded
-        # fail on an unimportable reward function now, before any model is loaded
         settings = (reward_weights, reward_model_weight, nan_score, reward_timeout_s, reward_workers)
-        self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)
+        self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)  # an unimportable one fails now
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
-        # model instances and callables are not hyperparameters; their names are
-        self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])
-        self.hparams.update(self.specs.names())
-        for key, fns in (("reward_fns", reward_fns), ("metric_fns", metric_fns)):
-            if fns:
-                self.hparams[key] = [f if isinstance(f, str) else callable_path(f) for f in fns]
-        tokenizer_spec = tokenizer if tokenizer is not None else policy
-        self.tokenizer = load_tokenizer(tokenizer_spec, "model.tokenizer", trust_remote_code)
+        self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
+        self.hparams.update(named_settings(self.specs, reward_fns=reward_fns, metric_fns=metric_fns))
+        self.tokenizer = load_tokenizer(
+            tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
+        )
         self.actor_critic: Any = None  # an ActorCritic once configure_model ran
         self.reference: nn.Module | None = None
         self.reward_model: SequenceRewardModel | None = None
@@ -152,10 +153,6 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         models = build_models(self.specs, self.tokenizer, self.algorithm, **{k: self.hparams[k] for k in BUILD_OPTIONS})
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
-
-    def check_rollout_batch(self, prompts_per_step: int) -> None:
-        """Called by the DataModule before models load: the rollout must split into (micro-)batches."""
-        self.algorithm.check_batch(prompts_per_step * self.algorithm.filled.group_size)
 
     def train(self, mode: bool = True) -> RLHFModule:
         """Lightning switches everything to train mode; the frozen models stay in eval mode."""
@@ -193,26 +190,22 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.log_step(values, experience)
         self.step_schedulers("step", self.state.rollouts_done, plateau=True)  # with this rollout's metrics
 
-    def rollout_collector(self) -> Callable[..., tuple[Rollout, Any]]:
-        """Single-turn `collect_rollout`, or conversations with `environment` (training and held-out alike)."""
-        return collect_rollout if self.multi_turn is None else self.multi_turn.collect
-
     def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout | PendingRollout, Any]:
         """Phase 2: generate and score with the current policy (in eval mode); with dynamic sampling, tied groups
         are replaced by groups of more prompts (`lit_rlhf.rollout.dynamic`); with `overlap_scoring`, a
         `PendingRollout` whose scores are still being computed."""
-        algo, G = self.algorithm, self.algorithm.filled.group_size
-        collect: Any = start_rollout if self.hparams["overlap_scoring"] else self.rollout_collector()
-        settings = (G, self.sampling, algo.truncated_score, self.state.policy_version, algo.overlong)
-
-        def sample(batch: PromptBatch) -> Any:
-            return collect(batch, self.actor_critic.policy, self.tokenizer, self.compute_scores, *settings)
-
+        algo, G, version = self.algorithm, self.algorithm.filled.group_size, self.state.policy_version
+        collector = self.collector(self.rollout_settings)
         with eval_mode(self.actor_critic):
+            if self.hparams["overlap_scoring"]:  # refused with an environment: a single-turn collector
+                assert isinstance(collector, SingleTurnCollector)
+                return start_rollout(collector, prompts, version)
             if not algo.dynamic_sampling:
-                return sample(prompts)
-            refill = refill_source(self.trainer, self.state.rollouts_done, algo.max_sampling_rounds)
-            return dynamic_rollout(sample, prompts, refill, G, algo.max_sampling_rounds, self.tokenizer.pad_token_id)
+                return collector.collect(prompts, version)
+            supply, rounds = self.refill_supply(), algo.max_sampling_rounds
+            refill = refill_source(supply.refill_batch, supply.batch_size, self.state.rollouts_done, rounds)
+            collect = lambda batch: collector.collect(batch, version)  # noqa: E731
+            return dynamic_rollout(collect, prompts, refill, G, rounds, self.tokenizer.pad_token_id)
 
     def compute_scores(
         self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation

@@ -99,6 +99,7 @@ class ManualOptimization(L.LightningModule):
             trainer: Any = self.trainer
             for guard in (c for c in trainer.callbacks if isinstance(c, RunFolderGuard)):
                 guard.acquire(trainer)
+        super().setup(stage)
 
     def configure_callbacks(self) -> list[Any]:
         """A `RunFolderGuard` (one run per checkpoint folder, `last.ckpt` saved on SIGTERM). Refuse the Trainer's

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Timer
 from torch import nn
 
 from lit_rlhf.models.build import ModelSpecs
+from lit_rlhf.rewards.functions import callable_path
 
 CHECKPOINT_KEY = "lit_rlhf"
 
@@ -128,6 +129,16 @@ def load_training_state(
     if prefixes:
         checkpoint["state_dict"].update({k: v for k, v in own_weights.items() if k.startswith(prefixes)})
     state.restore(saved, rank, world_size, device)
+
+
+def named_settings(specs: ModelSpecs, **callables: Any) -> dict[str, Any]:
+    """Hyperparameters for settings that may be instances: each model by its name (None for an instance; the
+    checkpoint carries its portable spec), and each list of functions by their dotted paths."""
+    names: dict[str, Any] = dict(specs.names())
+    for key, fns in callables.items():
+        if fns:
+            names[key] = [f if isinstance(f, str) else callable_path(f) for f in fns]
+    return names
 
 
 def attached_trainer(module: Any) -> Any | None:

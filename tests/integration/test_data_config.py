@@ -298,9 +298,11 @@ def test_datamodule_rejects_bad_arguments(kwargs, field):
 
 
 def test_datamodule_without_any_tokenizer():
-    dm = RolloutDataModule(prompts=["12>"])
-    with pytest.raises(ConfigError, match="data.tokenizer"):
-        dm.setup("fit")
+    dm = RolloutDataModule(prompts=["12>"], batch_size=1, val_prompts=["3>"])
+    dm.setup("fit")  # no module handed a tokenizer over (RLHFModule does in its setup, through connect)
+    for hook in (dm.train_dataloader, dm.val_dataloader, lambda: dm.refill_batch(0)):
+        with pytest.raises(RuntimeError, match="data.tokenizer is None and no module handed its tokenizer over"):
+            hook()
 
 
 # ----------------------------------------------------------------------------- sharding and resume

@@ -15,9 +15,8 @@ from lightning.pytorch.callbacks import Callback
 from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from conftest import checksum, make_policy, make_trainer, prompt_batch
+from conftest import checksum, generate, make_policy, make_trainer, prompt_batch
 from lit_rlhf import AlgorithmConfig, ConfigError, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.rollout.generation import generate
 from lit_rlhf.tasks.digits import builtin_tokenizer, sort_digits_reward
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"

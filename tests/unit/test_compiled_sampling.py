@@ -1,5 +1,5 @@
-"""`sampling.compile`: decoding over a static KV cache (eager or `torch.compile`d) draws the same tokens as the
-default loop for the same generator seed."""
+"""`sampling.backend: compiled`: decoding over a static KV cache (eager or `torch.compile`d) draws the same tokens
+as the default loop for the same generator seed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_shared_prefill import TupleCacheModel, gpt2_policy, llama_policy, prompt_batch
 
+from conftest import generate
 from lit_rlhf.config import ConfigError, SamplingConfig
-from lit_rlhf.rollout.generation import generate
 from lit_rlhf.rollout.sampler import sample
 from lit_rlhf.rollout.static_decode import static_cache_length
 from lit_rlhf.tasks.digits import builtin_tokenizer
@@ -106,7 +106,7 @@ def test_static_cache_length_is_rounded_up_to_the_bucket():
 
 
 def test_compiled_decode_draws_the_same_tokens_and_compiles_once_per_bucket(tokenizer):
-    """Through `generate` with `SamplingConfig(compile=True)`: the same tokens as the default loop, and a second
+    """Through the 'compiled' backend: the same tokens as the default loop, and a second
     batch of a different prompt width in the same length bucket reuses the compiled step (no new graph)."""
     from torch._dynamo.utils import counters
 
@@ -121,7 +121,7 @@ def test_compiled_decode_draws_the_same_tokens_and_compiles_once_per_bucket(toke
     for batch in (short, wide):
         results = []
         for compile in (False, True):
-            sampling = SamplingConfig(max_new_tokens=16, compile=compile)
+            sampling = SamplingConfig(max_new_tokens=16, backend="compiled" if compile else "lean")
             before = counters["stats"]["unique_graphs"]
             generator = torch.Generator().manual_seed(3)
             results.append(generate(policy, batch, 2, sampling, eos, pad, generator=generator))
@@ -135,17 +135,18 @@ def test_compiled_decode_draws_the_same_tokens_and_compiles_once_per_bucket(toke
 
 def test_a_model_without_static_cache_support_is_a_clear_error():
     ids = torch.ones(2, 3, dtype=torch.long)
-    with pytest.raises(ConfigError, match=r"sampling\.compile: TupleCacheModel .*set sampling\.compile: false"):
+    with pytest.raises(
+        ConfigError, match=r"sampling\.backend 'compiled': TupleCacheModel .*set sampling\.backend: lean"
+    ):
         sample(TupleCacheModel(), ids, torch.ones_like(ids), 4, eos_token_id=1, pad_token_id=0, compile=True)
 
 
-def test_compile_setting_is_checked():
-    assert SamplingConfig().compile is False
-    with pytest.raises(ConfigError, match=r"sampling\.compile: must be true or false, got 'yes'"):
-        SamplingConfig(compile="yes")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"sampling\.compile / sampling\.backend: .*sampling\.backend: lean"):
-        SamplingConfig(compile=True, backend="generate")
-    SamplingConfig(compile=True, backend="lean")
+def test_the_removed_compile_setting_names_the_backend_that_replaced_it():
+    assert SamplingConfig(backend="compiled").backend == "compiled"
+    for old in (True, "yes"):
+        with pytest.raises(ConfigError, match=r"sampling\.compile: .*set sampling\.backend: compiled"):
+            SamplingConfig(compile=old)  # type: ignore[arg-type]
+    assert SamplingConfig(compile=False).backend == "lean"
 
 
 def test_the_kept_static_cache_does_not_keep_the_model_alive(tokenizer):

@@ -233,9 +233,23 @@ def test_dynamic_sampling_is_accepted_for_group_estimators():
     assert AlgorithmConfig(kl_in_reward=True, kl_coef=0.0, dynamic_sampling=True).dynamic_sampling
 
 
-def test_dynamic_sampling_without_a_rollout_datamodule_is_refused():
-    class Trainer:
-        datamodule = None
+def test_dynamic_sampling_without_a_rollout_datamodule_is_refused(tokenizer):
+    from conftest import make_policy, prompt_batch
+    from lit_rlhf import RLHFModule
 
+    module = RLHFModule(
+        policy=make_policy(),
+        tokenizer=tokenizer,
+        reward_fns=["lit_rlhf.tasks.digits.sorted_exactly"],  # 0 everywhere: every group ties, a refill is needed
+        algorithm=AlgorithmConfig(group_size=2, dynamic_sampling=True),
+        sampling={"max_new_tokens": 2},
+    )  # no DataModule handed a prompt supply over (fit with plain dataloaders)
     with pytest.raises(ConfigError, match="algorithm.dynamic_sampling: needs more prompts .* RolloutDataModule"):
-        refill_source(Trainer(), 1, 3)
+        module.make_rollout(prompt_batch(tokenizer, ["31>"]))
+
+
+def test_refill_source_reads_each_rollouts_own_slots():
+    reads = []
+    refill = refill_source(lambda start: reads.append(start), batch_size=4, rollout=3, max_rounds=3)
+    refill(1), refill(2)
+    assert reads == [refill_position(3, 1, 3, 4), refill_position(3, 2, 3, 4)] == [16, 20]

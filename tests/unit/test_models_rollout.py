@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from conftest import EOS_ID, PAD_ID, make_policy, prompt_batch
+from conftest import EOS_ID, PAD_ID, generate, make_policy, prompt_batch
 from lit_rlhf.algorithms import losses
 from lit_rlhf.algorithms.experience import compute_advantages, make_experience, policy_forward, reference_logits
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
@@ -18,8 +18,9 @@ from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_fro
 from lit_rlhf.models.loading import frozen_copy
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardError, call_reward_fn
-from lit_rlhf.rollout.collect import collect_rollout
-from lit_rlhf.rollout.generation import generate, response_mask_from_ids
+from lit_rlhf.rollout.backends.registry import make_backend
+from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
+from lit_rlhf.rollout.generation import response_mask_from_ids
 from lit_rlhf.types import PromptBatch
 
 # ----------------------------------------------------------------------------- helpers
@@ -335,9 +336,9 @@ def collect_experience(
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
         return composer(texts, responses, meta, reward_model, ids, mask, last)
 
-    rollout, timings = collect_rollout(
-        prompts, actor_critic.policy, tokenizer, score, algo.group_size, sampling, algo.truncated_score, policy_version
-    )
+    backend = make_backend(sampling.backend, actor_critic.policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    settings = RolloutSettings(algo.group_size, sampling, algo.truncated_score)
+    rollout, timings = SingleTurnCollector(backend, tokenizer, score, settings).collect(prompts, policy_version)
     ref_logits = reference_logits(reference, rollout) if reference is not None else None
     sampling_policy = policy_forward(actor_critic, rollout, sampling.temperature)
     return make_experience(rollout, algo, sampling_policy, ref_logits, sampling.temperature), timings

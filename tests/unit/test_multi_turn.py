@@ -15,8 +15,10 @@ from lit_rlhf.algorithms.losses import logprobs_from_logits
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.models.forward import causal_lm_response_forward
+from lit_rlhf.rollout.backends.registry import make_backend
+from lit_rlhf.rollout.collect import RolloutSettings
 from lit_rlhf.rollout.environment import Environment, EnvironmentConfig, StepResult, build_environment
-from lit_rlhf.rollout.multi_turn import MultiTurnCollector, multi_turn_collector
+from lit_rlhf.rollout.multi_turn import Conversations, MultiTurnCollector, conversations_from
 from lit_rlhf.tasks.calculator import CalculatorEnvironment, CalculatorError, PeekEnvironment, evaluate
 from lit_rlhf.types import Rollout
 
@@ -25,6 +27,21 @@ ID = {str(d): 3 + d for d in range(10)} | {">": 13, "<eos>": EOS_ID, "<pad>": PA
 
 def no_score(prompts, responses, meta, generation):
     return torch.zeros(len(prompts))
+
+
+@dataclasses.dataclass
+class Episodes:
+    """An environment and its limits, collected with any policy and settings (a `MultiTurnCollector` per call)."""
+
+    env: Environment
+    max_turns: int
+    max_total_tokens: int
+
+    def collect(self, batch, policy, tokenizer, score, group_size, sampling, truncated_score=None):
+        backend = make_backend(sampling.backend, policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        settings = RolloutSettings(group_size, sampling, truncated_score)
+        conversations = Conversations(self.env, self.max_turns, self.max_total_tokens)
+        return MultiTurnCollector(conversations, backend, tokenizer, score, settings).collect(batch)
 
 
 def scripted(model: torch.nn.Module, script: dict[int, str]) -> torch.nn.Module:
@@ -48,7 +65,7 @@ def test_a_hand_built_conversation_masks_exactly_the_policys_tokens(tokenizer):
     # prompt '3142>' (positions 0-4, hidden digit (3+1+4+2) % 10 = 0): the policy asks '>' at 5, the environment
     # answers '0' at 6, the policy writes '0' at 7 and EOS at 8.
     policy = scripted(make_policy(), {5: ">", 7: "0", 8: "<eos>"}).eval()
-    collector = MultiTurnCollector(PeekEnvironment(ask_bonus=0.25), max_turns=3, max_total_tokens=10)
+    collector = Episodes(PeekEnvironment(ask_bonus=0.25), max_turns=3, max_total_tokens=10)
     batch = prompt_batch(tokenizer, ["3142>", "56>"])  # '56>' (hidden 1) is left padded by two: positions shift
     rollout, _ = collector.collect(batch, policy, tokenizer, no_score, 1, SamplingConfig(max_new_tokens=4))
     assert rollout.response_ids[0].tolist() == [ID[c] for c in [">", "0", "0", "<eos>"]] + [PAD_ID] * 2
@@ -71,24 +88,20 @@ def test_limits_truncate_an_episode_as_a_single_turn_does(tokenizer):
     batch = prompt_batch(tokenizer, ["3142>"])
     sampling = SamplingConfig(max_new_tokens=3)
     # a turn that fills its token limit without EOS or a stop string: truncated, even though the env ends it
-    rollout, _ = MultiTurnCollector(PeekEnvironment(), 3, 10).collect(
+    rollout, _ = Episodes(PeekEnvironment(), 3, 10).collect(
         batch, scripted(make_policy(), {}).eval(), tokenizer, no_score, 1, sampling
     )
     assert rollout.response_ids[0].tolist() == [ID["9"]] * 3 and rollout.truncated.tolist() == [True]
     # asking at every turn: the episode runs out of turns (max_turns 2) -> truncated
     always_ask = scripted(make_policy(), {p: ">" for p in range(5, 20)}).eval()
-    rollout, _ = MultiTurnCollector(PeekEnvironment(), 2, 10).collect(
-        batch, always_ask, tokenizer, no_score, 1, sampling
-    )
+    rollout, _ = Episodes(PeekEnvironment(), 2, 10).collect(batch, always_ask, tokenizer, no_score, 1, sampling)
     assert rollout.response_ids[0].tolist() == [ID[">"], ID["0"], ID[">"]] and rollout.truncated.tolist() == [True]
     # the token budget: 2 tokens in all -> '>' + the observation leaves no room for another policy token
-    rollout, _ = MultiTurnCollector(PeekEnvironment(), 5, 2).collect(
-        batch, always_ask, tokenizer, no_score, 1, sampling
-    )
+    rollout, _ = Episodes(PeekEnvironment(), 5, 2).collect(batch, always_ask, tokenizer, no_score, 1, sampling)
     assert rollout.response_ids[0].tolist() == [ID[">"]] and rollout.truncated.tolist() == [True]
     # max_turns 1 with a single-turn answer and EOS is exactly a single-turn rollout, not truncated
     answer = scripted(make_policy(), {5: "0", 6: "<eos>"}).eval()
-    rollout, _ = MultiTurnCollector(PeekEnvironment(), 1, 10).collect(batch, answer, tokenizer, no_score, 1, sampling)
+    rollout, _ = Episodes(PeekEnvironment(), 1, 10).collect(batch, answer, tokenizer, no_score, 1, sampling)
     assert rollout.response_mask.tolist() == [[True, True]] and rollout.truncated.tolist() == [False]
     assert rollout.scores.tolist() == [1.0]
 
@@ -97,7 +110,7 @@ def test_a_special_token_does_not_match_a_stop_string(tokenizer):
     """'<pad>' contains '>', the peek tool call; a turn ends only at a '>' the policy wrote as text."""
     policy = scripted(make_policy(), {5: "<pad>", 6: "0", 7: "<eos>"}).eval()
     batch = prompt_batch(tokenizer, ["3142>"])
-    collector = MultiTurnCollector(PeekEnvironment(), 2, 10)
+    collector = Episodes(PeekEnvironment(), 2, 10)
     rollout, _ = collector.collect(batch, policy, tokenizer, no_score, 1, SamplingConfig(max_new_tokens=4))
     assert rollout.response_ids.tolist() == [[PAD_ID, ID["0"], EOS_ID]] and not rollout.context_mask.any()
     assert rollout.responses == ["<pad>0"] and rollout.scores.tolist() == [0.0]  # not exactly '0'
@@ -168,7 +181,7 @@ def test_the_grids_log_probs_are_those_of_each_conversation_alone(tokenizer):
     padded grid must give every policy token the log-prob it has in its own unpadded conversation."""
     torch.manual_seed(0)
     policy = make_policy().eval()
-    collector = MultiTurnCollector(PeekEnvironment(), max_turns=3, max_total_tokens=12)
+    collector = Episodes(PeekEnvironment(), max_turns=3, max_total_tokens=12)
     batch = prompt_batch(tokenizer, ["3142>", "9>", "55555>"])
     rollout, _ = collector.collect(batch, policy, tokenizer, no_score, 4, SamplingConfig(max_new_tokens=4))
     assert rollout.context_mask.any()  # some episodes asked
@@ -195,9 +208,7 @@ def test_both_sampling_backends_give_the_same_conversations(tokenizer):
     for backend in ("lean", "generate"):
         torch.manual_seed(3)
         sampling = SamplingConfig(max_new_tokens=3, backend=backend, share_prefill=False)
-        rollout, _ = MultiTurnCollector(PeekEnvironment(), 3, 10).collect(
-            batch, policy, tokenizer, no_score, 4, sampling
-        )
+        rollout, _ = Episodes(PeekEnvironment(), 3, 10).collect(batch, policy, tokenizer, no_score, 4, sampling)
         rollouts.append(rollout)
     lean, hf = rollouts
     assert lean.context_mask.any()
@@ -272,16 +283,22 @@ def ok(n, **change):
          "reset-wrong-size"],
 )  # fmt: skip
 def test_a_bad_environment_is_named(tokenizer, env, error, match):
-    collector = MultiTurnCollector(env, 2, 8)
+    collector = Episodes(env, 2, 8)
     batch = prompt_batch(tokenizer, ["31>", "4>"])
     with pytest.raises(error, match=match):
         collector.collect(batch, make_policy().eval(), tokenizer, no_score, 4, SamplingConfig(max_new_tokens=2))
 
 
 def test_a_conversation_longer_than_the_context_window_is_refused(tokenizer):
-    collector = MultiTurnCollector(PeekEnvironment(), 2, 60)  # 5 prompt + 60 > the built-in policy's 64 positions
+    from lit_rlhf.training.module import RLHFModule
+
+    environment = EnvironmentConfig("builtin:peek", max_turns=2, max_total_tokens=60)
+    module = RLHFModule(policy=make_policy(), tokenizer=tokenizer, algorithm={"name": "grpo"}, environment=environment)
+    batch = prompt_batch(tokenizer, ["3142>"])  # 5 prompt + 60 > the built-in policy's 64 positions
     with pytest.raises(ConfigError, match=r"model.environment.max_total_tokens: 5 \+ 60 = 65 tokens, but model.policy"):
-        collector.collect(prompt_batch(tokenizer, ["3142>"]), make_policy(), tokenizer, no_score, 2, SamplingConfig())
+        module.on_train_batch_start(batch, 0)
+    with pytest.raises(ConfigError, match=r"model.environment.max_total_tokens: 5 \+ 60 = 65 tokens, but model.policy"):
+        module.on_validation_batch_start(batch, 0)
 
 
 class NotAnEnvironment:
@@ -309,7 +326,7 @@ class NotAnEnvironment:
 def test_bad_multi_turn_settings_are_config_errors(settings, algorithm, match):
     algo = AlgorithmConfig(**({"name": "grpo"} | algorithm))
     with pytest.raises(ConfigError, match=match):
-        multi_turn_collector(settings, algo)
+        conversations_from(settings, algo)
 
 
 def test_the_module_takes_an_environment_instead_of_reward_functions(tokenizer):
@@ -319,7 +336,7 @@ def test_the_module_takes_an_environment_instead_of_reward_functions(tokenizer):
         policy=make_policy(), tokenizer=tokenizer, algorithm={"name": "grpo"},
         environment=EnvironmentConfig("builtin:peek", max_turns=2, max_total_tokens=16),
     )  # fmt: skip
-    assert isinstance(module.multi_turn.env, PeekEnvironment)
+    assert isinstance(module.conversations.env, PeekEnvironment)
     rollout, _ = module.make_rollout(prompt_batch(tokenizer, ["3142>"]))
     assert rollout.context_mask is not None and rollout.batch_size == 8
     # held-out prompts are answered in conversations too (greedy by default), and metric functions see them
@@ -360,7 +377,7 @@ def test_a_calculator_episode_end_to_end():
 
     model.register_forward_hook(hook, with_kwargs=True)
     batch = prompt_batch(tok, [prompt], {"answer": ["35"]})
-    collector = MultiTurnCollector(CalculatorEnvironment(), max_turns=3, max_total_tokens=64)
+    collector = Episodes(CalculatorEnvironment(), max_turns=3, max_total_tokens=64)
     rollout, _ = collector.collect(batch, model, tok, no_score, 1, SamplingConfig(max_new_tokens=20))
     assert rollout.responses == [call + result + answer]
     assert rollout.context_mask[0].tolist()[: C + R + 1] == [False] * C + [True] * R + [False]

@@ -222,9 +222,10 @@ def test_overlong_penalty_hand_numbers():
     assert L.overlong_penalty(torch.tensor([7, 8]), 8, 1, 1.0).tolist() == [0.0, -1.0]  # buffer 1: a step at L_max
 
 
-def test_overlong_shaping_in_collect_rollout(tokenizer, tiny_policy):
+def test_overlong_shaping_in_the_single_turn_collector(tokenizer, tiny_policy):
     from conftest import prompt_batch
-    from lit_rlhf.rollout.collect import collect_rollout
+    from lit_rlhf.rollout.backends.lean import LeanBackend
+    from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 
     def score(texts, responses, meta, generation):
         return torch.full((len(texts),), 2.0)
@@ -232,7 +233,9 @@ def test_overlong_shaping_in_collect_rollout(tokenizer, tiny_policy):
     sampling = SamplingConfig(max_new_tokens=6)
     prompts = prompt_batch(tokenizer, ["3 1 2", "9 8"])
     torch.manual_seed(5)
-    shaped, _ = collect_rollout(prompts, tiny_policy, tokenizer, score, 4, sampling, None, 0, (3, 1.0))
+    backend = LeanBackend(tiny_policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    collector = SingleTurnCollector(backend, tokenizer, score, RolloutSettings(4, sampling, overlong=(3, 1.0)))
+    shaped, _ = collector.collect(prompts)
     lengths = shaped.response_mask.sum(1).tolist()
     expected = [2.0 - min(max((n - 3) / 3, 0.0), 1.0) for n in lengths]
     assert shaped.scores.tolist() == pytest.approx(expected)

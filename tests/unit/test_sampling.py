@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import generate
 from lit_rlhf.algorithms import losses
 from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_from_mask
-from lit_rlhf.rollout.generation import generate
 from lit_rlhf.rollout.sampler import mask_logits, sample
 from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 from lit_rlhf.types import PromptBatch

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import generate
 from lit_rlhf.config import SamplingConfig
-from lit_rlhf.rollout.generation import generate
 from lit_rlhf.rollout.sampler import sample
 from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 from lit_rlhf.types import PromptBatch
