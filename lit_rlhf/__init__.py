@@ -7,11 +7,11 @@ The data flow, one folder each: `data` (prompts) -> `rollout` (generate, score w
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.rewards.functions import rowwise
-from lit_rlhf.rewards.training import PreferenceDataModule, RewardModelModule
 from lit_rlhf.rollout.environment import Environment, StepResult
 from lit_rlhf.training.callbacks import SavePolicy
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
 from lit_rlhf.training.module import RLHFModule
+from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
 from lit_rlhf.training.run_folder import RunFolderGuard
 from lit_rlhf.types import Experience, PromptBatch, Rollout
 

@@ -24,9 +24,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_rlhf.config import ConfigError
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import save_module_policy
-from lit_rlhf.rewards.training import PreferenceDataModule, RewardModelModule
 from lit_rlhf.training.checkpoint_io import CheckpointError, check_checkpoint_file, load_checkpoint_file
 from lit_rlhf.training.module import RLHFModule
+from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
 from lit_rlhf.training.state import CHECKPOINT_KEY
 
 # A Lightning notice that does not apply to these runs, silenced only while a command of this file runs:

@@ -15,8 +15,8 @@ import json
 import os
 from typing import Any
 
-from lit_rlhf.rewards.training import HELD_OUT_SEED_OFFSET
 from lit_rlhf.tasks.digits import digits_preference_pairs
+from lit_rlhf.training.reward_model_training import HELD_OUT_SEED_OFFSET
 
 
 def write_jsonl(rows: list[dict[str, Any]], path: str) -> None:

@@ -12,7 +12,6 @@ import math
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "full")
 GROUP_ESTIMATORS = ("grpo", "batch_std", "dr_grpo", "rloo")
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -59,18 +58,6 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 
 
 # ----------------------------------------------------------------------------- log-probs, entropy
-
-
-def response_logits(logits: Tensor, prompt_len: int, response_len: int | None = None) -> Tensor:
-    """The logits that predict each response token: (B, P+T, V) -> (B, T, V).
-
-    Position P-1 predicts the first response token, so the slice is `[P-1 : P-1+T]`.
-    This is the only place in the library where that off-by-one lives.
-    """
-    total = logits.shape[1]
-    if response_len is None:
-        response_len = total - prompt_len
-    return logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:

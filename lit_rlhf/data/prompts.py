@@ -19,8 +19,6 @@ from lit_rlhf.data.chat import encode_chat
 from lit_rlhf.data.sources import prompt_value
 from lit_rlhf.types import PromptBatch
 
-PROMPT_TRUNCATION = ("error", "left")
-
 CHECK_CHUNK = 1024
 """Rows per tokenizer call when `check_lengths` walks a whole prompt set."""
 

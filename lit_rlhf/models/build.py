@@ -14,8 +14,8 @@ from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_causal_lm
 from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
 from lit_rlhf.models.portable import is_portable, portable_spec
+from lit_rlhf.models.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
 from lit_rlhf.registry import is_builtin
-from lit_rlhf.rewards.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
 
 MODEL_ARGUMENTS = ("policy", "tokenizer", "reference", "reward_model", "reward_tokenizer")
 # the keyword settings of `build_models`, as RLHFModule arguments of the same names

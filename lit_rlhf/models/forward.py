@@ -18,13 +18,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.algorithms.losses import response_logits
 from lit_rlhf.config import ConfigError
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that ignore left padding: cumulative sum of the mask minus one, 0 on padding. (B, S)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logits(logits: Tensor, prompt_len: int, response_len: int | None = None) -> Tensor:
+    """The logits that predict each response token: (B, P+T, V) -> (B, T, V).
+
+    Position P-1 predicts the first response token, so the slice is `[P-1 : P-1+T]`.
+    This is the only place in the library where that off-by-one lives.
+    """
+    total = logits.shape[1]
+    if response_len is None:
+        response_len = total - prompt_len
+    return logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
 def base_model(model: nn.Module) -> nn.Module:

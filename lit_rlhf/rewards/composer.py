@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.functions import RewardError, RewardFn, is_rowwise
 from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls
-from lit_rlhf.rewards.reward_model import SequenceRewardModel
 
 
 class RewardComposer:

@@ -217,8 +217,11 @@ def sample(
             break
         last_logits = steps.step(next_tokens, t)
     del last_logits, steps
-    # With a deferred stop check some trailing steps may have run after every sequence had ended: drop them.
-    if check_every > 1:
-        ran = int(alive_before[:ran].nonzero().max()) + 1 if bool(alive_before[:ran].any()) else 0
-        ran = max(ran, 1)
+    ran = _steps_with_a_live_sequence(alive_before[:ran]) if check_every > 1 else ran
     return SampleOutput(tokens[:, :ran], logprobs[:, :ran] if logprobs is not None else None)
+
+
+def _steps_with_a_live_sequence(alive_before: Tensor) -> int:
+    """(steps run,) bool, some sequence unfinished at that step -> the steps to keep (at least 1): with a deferred
+    stop check, trailing steps may have run after every sequence had ended."""
+    return max(int(alive_before.nonzero().max()) + 1 if bool(alive_before.any()) else 0, 1)

@@ -92,7 +92,8 @@ def sorted_exactly(prompts: Sequence[str], responses: Sequence[str], **meta: Any
 
 def builtin_reward_model(n_layer: int = 2, n_embd: int = 64, n_head: int = 4):
     """A from-scratch GPT-2 sequence classifier with one output, on the config of `builtin_policy` (same
-    vocabulary and special ids, pad_token_id set), to train as a reward model with `lit_rlhf.rewards.training`."""
+    vocabulary and special ids, pad_token_id set), to train as a reward model with
+    `lit_rlhf.training.reward_model_training`."""
     from transformers import GPT2ForSequenceClassification
 
     config = builtin_policy(n_layer=n_layer, n_embd=n_embd, n_head=n_head).config

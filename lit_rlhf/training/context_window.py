@@ -21,7 +21,7 @@ from torch import nn
 from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.data.handoff import PromptSupply
 from lit_rlhf.models.build import check_context_window
-from lit_rlhf.rewards.reward_model import SequenceRewardModel
+from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rollout.multi_turn import Conversations
 from lit_rlhf.types import PromptBatch
 

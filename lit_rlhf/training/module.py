@@ -35,9 +35,9 @@ from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, bu
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.models.lora import lora_config
+from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
-from lit_rlhf.rewards.reward_model import SequenceRewardModel
 from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.dynamic import dynamic_metrics, dynamic_rollout, refill_source
 from lit_rlhf.rollout.environment import EnvironmentConfig

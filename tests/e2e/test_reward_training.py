@@ -12,15 +12,15 @@ import torch
 
 from conftest import make_trainer
 from lit_rlhf.config import ConfigError
-from lit_rlhf.rewards.training import HELD_OUT_SEED_OFFSET as VAL_SEED_OFFSET
-from lit_rlhf.rewards.training import (
+from lit_rlhf.tasks.digits import builtin_reward_model, digits_preference_pairs, sort_digits_score
+from lit_rlhf.training.reward_model_training import HELD_OUT_SEED_OFFSET as VAL_SEED_OFFSET
+from lit_rlhf.training.reward_model_training import (
     PairCollator,
     PreferenceDataModule,
     RewardModelModule,
     bradley_terry_loss,
     read_preference_file,
 )
-from lit_rlhf.tasks.digits import builtin_reward_model, digits_preference_pairs, sort_digits_score
 
 pytestmark = pytest.mark.slow  # end-to-end: a real fit, several processes or a pretrained model
 

@@ -174,7 +174,7 @@ def reward_model_folder(folder, vocab_size, tokenizer):
 
 
 def test_reward_model_with_another_vocabulary_needs_reward_tokenizer(tokenizer, tmp_path):
-    from lit_rlhf.rewards.reward_model import build_reward_model, check_shared_tokenizer
+    from lit_rlhf.models.reward_model import build_reward_model, check_shared_tokenizer
     from lit_rlhf.tasks.digits import builtin_tokenizer
 
     other = builtin_tokenizer()
@@ -192,7 +192,7 @@ def test_reward_model_with_another_vocabulary_needs_reward_tokenizer(tokenizer, 
 
 
 def test_reward_model_with_another_eos_needs_reward_tokenizer(tokenizer):
-    from lit_rlhf.rewards.reward_model import build_reward_model, check_shared_tokenizer
+    from lit_rlhf.models.reward_model import build_reward_model, check_shared_tokenizer
 
     tokenizer.eos_token = ">"  # the policy ends its responses with another token than the reward model
     rm = build_reward_model("builtin:digits", None, False)
@@ -205,7 +205,7 @@ def test_reward_model_with_another_eos_needs_reward_tokenizer(tokenizer):
 
 
 def test_reward_tokenizer_larger_than_the_reward_model_is_refused(tmp_path):
-    from lit_rlhf.rewards.reward_model import build_reward_model
+    from lit_rlhf.models.reward_model import build_reward_model
     from lit_rlhf.tasks.digits import builtin_tokenizer
 
     spec = reward_model_folder(tmp_path / "rm", 14, builtin_tokenizer())

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles, the library never imports task code, importing it changes no
-process-wide state (warning filters), and every module is small enough to read."""
+"""The package's shape: every module on its floor (imports only its own floor and lower ones), no import cycles,
+the library never imports task code, importing it changes no process-wide state (warning filters), and every
+module and function is small enough to read."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+from collections.abc import Iterator
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "lit_rlhf"
 
@@ -78,6 +80,87 @@ def test_no_import_cycle_in_the_package():
     graph = import_graph()
     assert "lit_rlhf.training.module" in graph and "lit_rlhf.rollout.sampler" in graph
     assert find_cycle(graph) is None
+
+
+# Lowest first. A module may import modules on its own floor or a lower one, never a higher one; a module is on the
+# floor of its longest matching prefix, and a module that matches none is an error (place it here).
+FLOORS: list[tuple[str, ...]] = [
+    ("lit_rlhf.algorithms.losses", "lit_rlhf.algorithms.estimators"),  # 0 formulas: pure torch
+    ("lit_rlhf.config", "lit_rlhf.types", "lit_rlhf.registry"),  # 1 base
+    ("lit_rlhf.models",),  # 2
+    ("lit_rlhf.algorithms",),  # 3 the rest of it: experience, objective
+    ("lit_rlhf.rewards",),  # 4
+    ("lit_rlhf.data", "lit_rlhf.rollout"),  # 5
+    ("lit_rlhf.training",),  # 6
+    ("lit_rlhf.tasks",),  # 7
+    ("lit_rlhf.cli",),  # 8
+]
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of the longest prefix in FLOORS that `module` is or lies under; None if it matches none."""
+    matches = [
+        (len(prefix), floor)
+        for floor, prefixes in enumerate(FLOORS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1] if matches else None
+
+
+def upward_imports(graph: dict[str, set[str]], packages: set[str]) -> list[str]:
+    """`a -> b (floor x -> floor y)` for each import of a higher floor. An import of `pkg.mod` also lists `pkg`,
+    whose `__init__` it runs; those edges are skipped, as the subpackage `__init__`s import nothing."""
+    offenders = []
+    for name in sorted(graph):
+        for dep in sorted(graph[name] - packages):
+            low, high = floor_of(name), floor_of(dep)
+            if low is not None and high is not None and high > low:
+                offenders.append(f"{name} -> {dep} (floor {low} -> floor {high})")
+    return offenders
+
+
+def test_floors_take_the_longest_prefix_and_report_upward_imports():
+    assert floor_of("lit_rlhf.algorithms.losses") == 0 and floor_of("lit_rlhf.algorithms.experience") == 3
+    assert floor_of("lit_rlhf.cli") == 8 and floor_of("lit_rlhf.clix") is None and floor_of("lit_rlhf.new") is None
+    graph = {"lit_rlhf.models.a": {"lit_rlhf.training.b", "lit_rlhf.algorithms"}, "lit_rlhf.training.b": set()}
+    assert upward_imports(graph, {"lit_rlhf.algorithms"}) == [
+        "lit_rlhf.models.a -> lit_rlhf.training.b (floor 2 -> floor 6)"
+    ]
+
+
+def test_every_module_imports_only_its_own_floor_or_lower():
+    graph = import_graph()
+    unplaced = sorted(name for name in graph if floor_of(name) is None)
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+    packages = {module_name(init) for init in PACKAGE.rglob("__init__.py")}
+    offenders = upward_imports(graph, packages)
+    assert not offenders, "imports of a higher floor:\n" + "\n".join(offenders)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function and method under `node`, nested ones too, with its dotted name (`Class.method`)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + child.name, child
+            yield from functions(child, f"{prefix}{child.name}.")
+        elif isinstance(child, ast.ClassDef):
+            yield from functions(child, f"{prefix}{child.name}.")
+        else:
+            yield from functions(child, prefix)
+
+
+def test_every_function_is_at_most_60_lines():
+    too_long = [
+        f"{path.relative_to(PACKAGE)}::{name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, node in functions(ast.parse(path.read_text()))
+        if node.end_lineno is not None and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(too_long)
 
 
 def test_the_library_never_imports_task_code():

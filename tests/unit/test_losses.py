@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lit_rlhf.algorithms import losses as L
+from lit_rlhf.models.forward import response_logits
 
 HYP = settings(max_examples=50, deadline=None)
 
@@ -161,14 +162,14 @@ def test_response_logits_slice_position_encoding():
         for pos in range(P + T):
             for v in range(V):
                 logits[b, pos, v] = 1000 * b + pos  # the value says which position it came from
-    out = L.response_logits(logits, P)
+    out = response_logits(logits, P)
     assert out.shape == (B, T, V)
     for b in range(B):
         for t in range(T):
             # position P-1 predicts response token 0, so response slot t holds position P-1+t
             assert (out[b, t] == 1000 * b + (P - 1 + t)).all()
     # explicit response length shorter than what is there
-    out2 = L.response_logits(logits, P, response_len=2)
+    out2 = response_logits(logits, P, response_len=2)
     assert out2.shape == (B, 2, V)
     assert (out2[:, 0] == out[:, 0]).all() and (out2[:, 1] == out[:, 1]).all()
     assert out2[0, 0, 0].item() == P - 1 and out2[1, 1, 0].item() == 1000 + P
@@ -183,7 +184,7 @@ def test_response_logits_next_token_alignment_with_logprobs():
     for b in range(B):
         for pos in range(P + T - 1):
             logits[b, pos, ids[b, pos + 1]] = 10.0
-    lp = L.logprobs_from_logits(L.response_logits(logits, P), ids[:, P:])
+    lp = L.logprobs_from_logits(response_logits(logits, P), ids[:, P:])
     expected = 10.0 - math.log(math.exp(10.0) + (V - 1))
     assert torch.allclose(lp, torch.full((B, T), expected), atol=1e-5)
 

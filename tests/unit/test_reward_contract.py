@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardError, call_reward_fn, rowwise
-from lit_rlhf.rewards.reward_model import SequenceRewardModel
 from lit_rlhf.rollout.generation import Generation, response_mask_from_ids
 
 PROMPTS = ["1>", "2>", "3>"]

@@ -31,8 +31,8 @@ from lit_rlhf.algorithms.losses import last_token_index
 from lit_rlhf.config import ConfigError
 from lit_rlhf.data.sources import jsonl_objects
 from lit_rlhf.models.loading import data_tokenizer, load_sequence_classifier, load_tokenizer
+from lit_rlhf.models.reward_model import SequenceRewardModel, right_padded, with_eos
 from lit_rlhf.registry import get_task, is_builtin
-from lit_rlhf.rewards.reward_model import SequenceRewardModel, right_padded, with_eos
 from lit_rlhf.training.optim import warmup_then_decay
 
 PREFERENCE_FIELDS = ("prompt", "chosen", "rejected")
