@@ -38,7 +38,8 @@ CASES: dict[str, dict[str, Any]] = {
         sampling=dict(max_new_tokens=6),
     ),
     "ppo_separate_critic": dict(
-        algorithm=dict(name="ppo", group_size=2, whiten_advantages=False), sampling=dict(max_new_tokens=5),
+        algorithm=dict(name="ppo", group_size=2, whiten_advantages=False),
+        sampling=dict(max_new_tokens=5),
         separate_critic=True,
     ),
     "dapo": dict(
@@ -68,8 +69,16 @@ CASES: dict[str, dict[str, Any]] = {
         sampling=dict(max_new_tokens=6),
     ),
     "reinforce_pp": dict(
-        algorithm=dict(name="grpo", group_size=2, advantage_estimator="reinforce_pp", kl_in_reward=True,
-                       kl_estimator="k1", kl_coef=0.05, gamma=0.9, entropy_top_fraction=0.5),
+        algorithm=dict(
+            name="grpo",
+            group_size=2,
+            advantage_estimator="reinforce_pp",
+            kl_in_reward=True,
+            kl_estimator="k1",
+            kl_coef=0.05,
+            gamma=0.9,
+            entropy_top_fraction=0.5,
+        ),
         sampling=dict(max_new_tokens=6),
     ),
     "reinforce_pp_baseline": dict(
@@ -77,8 +86,14 @@ CASES: dict[str, dict[str, Any]] = {
         sampling=dict(max_new_tokens=6),
     ),
     "rloo_dr_grpo": dict(
-        algorithm=dict(name="grpo", group_size=4, advantage_estimator="rloo", loss_aggregation="seq_mean_token_sum_norm",
-                       mask_truncated=True, truncated_score=-0.5),
+        algorithm=dict(
+            name="grpo",
+            group_size=4,
+            advantage_estimator="rloo",
+            loss_aggregation="seq_mean_token_sum_norm",
+            mask_truncated=True,
+            truncated_score=-0.5,
+        ),
         sampling=dict(max_new_tokens=4),
     ),
     "multi_turn": dict(
@@ -105,9 +120,7 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         exp = module.recorded
-        metrics = {
-            k: v for k, v in module.step_metrics.items() if not k.startswith(("time/", "perf/tokens_per_s"))
-        }
+        metrics = {k: v for k, v in module.step_metrics.items() if not k.startswith(("time/", "perf/tokens_per_s"))}
         self.steps.append(
             {
                 "response_ids": exp.response_ids.tolist(),
