@@ -11,8 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
+from lit_rlhf.algorithms.estimators import ESTIMATORS, Estimator
+
 Algorithm = Literal["ppo", "grpo"]
-AdvantageEstimator = Literal["gae", "grpo", "batch_std", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 RatioLevel = Literal["token", "sequence", "sequence_token"]
 KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -108,8 +109,8 @@ def resolved(value: _T | None, field: str) -> _T:
 
 
 def check_choice(value: Any, choices: Any, field: str) -> None:
-    """Raise unless `value` is one of the `Literal` type `choices`' values."""
-    allowed = get_args(choices)
+    """Raise unless `value` is one of the `Literal` type `choices`' values (or one of a table's keys)."""
+    allowed = tuple(choices) if isinstance(choices, Mapping) else get_args(choices)
     _require(value in allowed, field, f"unknown value {value!r}; use one of {', '.join(map(repr, allowed))}")
 
 
@@ -117,7 +118,7 @@ class FilledSettings(NamedTuple):
     """The settings that `AlgorithmConfig.name` fills in, with their concrete types."""
 
     group_size: int
-    advantage_estimator: AdvantageEstimator
+    advantage_estimator: str
     kl_coef: float
     kl_estimator: KLEstimator
     kl_in_reward: bool
@@ -132,9 +133,10 @@ class AlgorithmConfig:
     """'ppo' (critic, GAE, KL in the reward) or 'grpo' (group-normalised scores, KL k3 in the loss)."""
     group_size: int | None = None
     """Responses sampled per prompt (G). PPO default 1, GRPO default 8 (GRPO needs at least 2)."""
-    advantage_estimator: AdvantageEstimator | None = None
-    """'gae' (needs the critic), a group estimator: 'grpo', 'batch_std', 'dr_grpo', 'rloo', or REINFORCE++:
-    'reinforce_pp' (returns whitened over the batch) or 'reinforce_pp_baseline' (group mean subtracted first)."""
+    advantage_estimator: str | None = None
+    """One of `lit_rlhf.algorithms.estimators.ESTIMATORS`: 'gae' (needs the critic), a group estimator: 'grpo',
+    'batch_std', 'dr_grpo', 'rloo', or REINFORCE++: 'reinforce_pp' (returns whitened over the batch) or
+    'reinforce_pp_baseline' (group mean subtracted first)."""
     kl_coef: float | None = None
     """Weight beta of the KL to the reference policy (PPO 0.05, GRPO 0.04). 0 skips the reference model."""
     kl_estimator: KLEstimator | None = None
@@ -206,16 +208,16 @@ class AlgorithmConfig:
                 setattr(self, key, value)
         if self.clip_eps_high is None:
             self.clip_eps_high = self.clip_eps_low
-        check_choice(self.advantage_estimator, AdvantageEstimator, "algorithm.advantage_estimator")
+        check_choice(self.advantage_estimator, ESTIMATORS, "algorithm.advantage_estimator")
         check_choice(self.kl_estimator, KLEstimator, "algorithm.kl_estimator")
         self._check_numbers()
-        if self.advantage_estimator not in ("gae", "reinforce_pp"):
-            _require(
-                resolved(self.group_size, "algorithm.group_size") >= 2,
-                "algorithm.group_size",
-                f"the group estimator {self.advantage_estimator!r} needs at least 2 responses per prompt, "
-                f"got {self.group_size}; set algorithm.group_size to 2 or more (8 is usual)",
-            )
+        fewest = self.estimator.min_group_size
+        _require(
+            resolved(self.group_size, "algorithm.group_size") >= fewest,
+            "algorithm.group_size",
+            f"the estimator {self.advantage_estimator!r} needs at least {fewest} responses per prompt, "
+            f"got {self.group_size}; set algorithm.group_size to {fewest} or more (8 is usual)",
+        )
         check_choice(self.loss_aggregation, LossAggregation, "algorithm.loss_aggregation")
         check_choice(self.ratio_level, RatioLevel, "algorithm.ratio_level")
         check_int(self.overlong_buffer, "algorithm.overlong_buffer", 1, optional=True, fix="None turns shaping off")
@@ -237,12 +239,13 @@ class AlgorithmConfig:
         check_int(self.max_sampling_rounds, "algorithm.max_sampling_rounds", 1, fix="3 is usual; 1: no refill")
         if not self.dynamic_sampling:
             return
+        zeroing = [name for name, estimator in ESTIMATORS.items() if estimator.zeroes_tied_groups]
         _require(
-            self.advantage_estimator in ("grpo", "batch_std", "dr_grpo", "rloo"),
+            self.estimator.zeroes_tied_groups,
             "algorithm.dynamic_sampling",
-            "drops groups of tied scores, which get zero advantage only from a group-normalising estimator, not "
-            f"{self.advantage_estimator!r}; set algorithm.advantage_estimator to 'grpo' (or 'rloo', 'dr_grpo', "
-            "'batch_std'), or dynamic_sampling: false",
+            "drops groups of tied scores, which is right only for an estimator that gives a tied group exactly "
+            f"zero advantage, not {self.advantage_estimator!r}; set algorithm.advantage_estimator to one of "
+            f"{', '.join(map(repr, zeroing))}, or dynamic_sampling: false",
         )
         _require(
             not (self.kl_in_reward and resolved(self.kl_coef, "algorithm.kl_coef") > 0),
@@ -292,9 +295,17 @@ class AlgorithmConfig:
         return FilledSettings(*(resolved(getattr(self, f), f"algorithm.{f}") for f in FilledSettings._fields))
 
     @property
+    def estimator(self) -> Estimator:
+        """The `ESTIMATORS` entry of `advantage_estimator` (a `ConfigError` if it was changed to an unknown name
+        after the config was made)."""
+        name = self.filled.advantage_estimator
+        check_choice(name, ESTIMATORS, "algorithm.advantage_estimator")
+        return ESTIMATORS[name]
+
+    @property
     def uses_critic(self) -> bool:
-        """A value head is trained only for GAE."""
-        return self.advantage_estimator == "gae"
+        """A value head is trained only for an estimator that needs the critic (GAE)."""
+        return self.estimator.needs_critic
 
     @property
     def uses_reference(self) -> bool:

@@ -1,7 +1,7 @@
 """A scored rollout becomes an `Experience`: the sampling policy's log-probs and values, the reference's
-log-probs, the per-token KL, and the advantages. The only place PPO and GRPO branch.
+log-probs, the per-token KL, and the advantages.
 
-Formulas (and their papers) are in `losses`; this file only decides which of them a setting uses.
+Formulas (and their papers) are in `losses`; which advantages a setting gets is the table in `estimators`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.algorithms import losses
+from lit_rlhf.algorithms import estimators, losses
 from lit_rlhf.config import AlgorithmConfig
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.forward import causal_lm_response_forward
@@ -52,34 +52,25 @@ def reference_logits(reference: nn.Module, rollout: Rollout, share_prompts: bool
 def compute_advantages(
     algo: AlgorithmConfig, scores: Tensor, kl: Tensor | None, values: Tensor | None, mask: Tensor
 ) -> tuple[Tensor, Tensor | None]:
-    """Advantages (B, T) and returns (B, T) or None.
+    """Advantages (B, T) and returns (B, T) or None, from the configured estimator of `estimators.ESTIMATORS`.
 
-    PPO: token rewards = score at the last token - beta*KL (when the KL is in the reward), then GAE, then
-    whitening. REINFORCE++: the same token rewards (from group-centred scores for the baseline variant), their
-    discounted returns whitened over the batch. GRPO family: group-normalised scores (or KL-penalised sequence
-    rewards) broadcast over tokens.
+    scores (B,), kl (B, T) or None (it enters the reward only with `kl_in_reward`), values (B, T) or None,
+    mask (B, T). The formulas and their papers are in `estimators` and `losses`.
     """
-    maskf = mask.float()
-    kl_in_reward = kl if (kl is not None and algo.kl_in_reward) else torch.zeros_like(maskf)
-    kl_coef = algo.filled.kl_coef
-    group_size = algo.filled.group_size
-    if algo.advantage_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        if algo.advantage_estimator == "reinforce_pp_baseline":
-            scores = losses.group_advantages(scores, group_size, "dr_grpo")  # s - group mean; 0 for a tied group
-        rewards = losses.token_rewards(scores, kl_in_reward, mask, kl_coef)
-        return losses.reinforce_pp_advantages(rewards, mask, algo.gamma), None
-    rewards = losses.token_rewards(scores, kl_in_reward, mask, kl_coef)  # (B, T)
-    if algo.advantage_estimator == "gae":
-        if values is None:
-            raise ValueError("compute_advantages: GAE needs the critic's values")
-        advantages, returns = losses.gae_advantages(rewards, values, mask, algo.gamma, algo.lam)
-        if algo.whiten_advantages:
-            advantages = losses.masked_whiten(advantages, mask)
-        return advantages, returns
-    seq_scores = rewards.sum(dim=1) if algo.kl_in_reward else scores.float()  # (B,)
-    estimator = algo.filled.advantage_estimator
-    per_seq = losses.group_advantages(seq_scores, group_size, estimator, algo.group_eps)
-    return per_seq[:, None] * maskf, None
+    inputs = estimators.AdvantageInputs(
+        scores=scores,
+        reward_kl=kl if algo.filled.kl_in_reward else None,
+        kl_coef=algo.filled.kl_coef,
+        kl_in_reward=algo.filled.kl_in_reward,
+        values=values,
+        mask=mask,
+        group_size=algo.filled.group_size,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        whiten=algo.whiten_advantages,
+        group_eps=algo.group_eps,
+    )
+    return algo.estimator.compute(inputs)
 
 
 AdvantageFn = Callable[[Rollout, "Tensor | None", "Tensor | None"], "tuple[Tensor, Tensor | None]"]

@@ -38,15 +38,15 @@ from lit_rlhf.types import PromptBatch, Rollout
 
 def check_multi_turn_settings(algo: AlgorithmConfig) -> None:
     """Refuse the settings whose meaning breaks when environment tokens sit between the policy's."""
-    estimator = algo.filled.advantage_estimator
-    if estimator == "gae":
+    name, walk = algo.filled.advantage_estimator, algo.estimator.walks_token_grid
+    if walk == "always":
         raise ConfigError(
-            "model.algorithm.advantage_estimator: 'gae' (PPO's critic) is not supported with model.environment: its "
+            f"model.algorithm.advantage_estimator: {name!r} is not supported with model.environment: its "
             "recursion would run through the environment's tokens; use a group estimator (algorithm.name: grpo)"
         )
-    if estimator.startswith("reinforce_pp") and algo.gamma != 1.0:
+    if walk == "when_discounted" and algo.gamma != 1.0:
         raise ConfigError(
-            f"model.algorithm.gamma: {algo.gamma} with {estimator!r} and model.environment would discount over "
+            f"model.algorithm.gamma: {algo.gamma} with {name!r} and model.environment would discount over "
             "the environment's tokens; set gamma: 1.0 or use a group estimator"
         )
     if algo.overlong_buffer is not None:
