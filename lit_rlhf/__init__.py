@@ -33,4 +33,4 @@ __all__ = [
     "StepResult",
     "rowwise",
 ]
-__version__ = "0.4.0"
+__version__ = "0.5.0"

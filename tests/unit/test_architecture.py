@@ -193,3 +193,14 @@ def test_the_module_stays_slim_and_its_training_step_reads_as_five_phases():
     assert step.end_lineno - step.lineno + 1 < 40
     body = ast.get_source_segment(source, step)
     assert [f"# {i}. " in body for i in range(1, 6)] == [True] * 5
+
+
+def test_the_rollout_datamodule_and_the_module_meet_only_through_the_handoff():
+    """`RolloutDataModule` never reads the module (`trainer.lightning_module`), and the module reads the Trainer's
+    DataModule in one place, `Rollouts.setup`, to call `connect` (`lit_rlhf/data/handoff.py`)."""
+    sources = {path.relative_to(PACKAGE).as_posix(): path.read_text() for path in PACKAGE.rglob("*.py")}
+    assert "lightning_module" not in sources["data/datamodule.py"]
+    readers = {name for name, text in sources.items() if ".datamodule" in text and name.startswith("training/")}
+    assert readers == {"training/rollouts.py"}
+    setup = sources["training/rollouts.py"].split("def setup(", 1)[1].split("\n    def ", 1)[0]
+    assert "trainer.datamodule" in setup and ".connect(" in setup
