@@ -17,7 +17,7 @@ from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn
 from lit_rlhf.rollout.backends.base import RolloutBackend
 from lit_rlhf.rollout.backends.registry import make_backend
-from lit_rlhf.rollout.collect import Collector, RolloutSettings, ScoreFn, SingleTurnCollector
+from lit_rlhf.rollout.collect import Collector, RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.rollout.multi_turn import Conversations, MultiTurnCollector
 from lit_rlhf.training.state import TrainingState
@@ -73,14 +73,13 @@ class Rollouts(L.LightningModule):
             self._backends[sampling_backend] = (backend, version)
         return backend
 
-    def collector(self, settings: RolloutSettings, score: ScoreFn | None = None) -> Collector:
-        """Samples and scores (with `score`, default `compute_scores`) a batch of prompts: conversations with the
-        environment when there is one, else one response per sample."""
+    def collector(self, settings: RolloutSettings) -> Collector:
+        """Samples and scores (`compute_scores`) a batch of prompts: conversations with the environment when there
+        is one, else one response per sample."""
         backend = self.backend(settings.sampling.backend)
-        score = score or self.compute_scores
         if self.conversations is None:
-            return SingleTurnCollector(backend, self.tokenizer, score, settings)
-        return MultiTurnCollector(self.conversations, backend, self.tokenizer, score, settings)
+            return SingleTurnCollector(backend, self.tokenizer, self.compute_scores, settings)
+        return MultiTurnCollector(self.conversations, backend, self.tokenizer, self.compute_scores, settings)
 
     def refill_supply(self) -> PromptSupply:
         """The DataModule's supply, which dynamic sampling's refills come from."""
