@@ -25,6 +25,7 @@ Results go to benchmarks/results/<timestamp>.json (gitignored).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import inspect
@@ -379,7 +380,32 @@ def trl_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- ours: RLHFModule in a Trainer
 
 
+@contextlib.contextmanager
+def vllm_server(job: dict[str, Any]) -> Any:
+    """`job`, and for a job with `vllm: {mode: server}` a vLLM server of its model on localhost while it runs (its
+    address in the job's vLLM settings), killed after."""
+    if job.get("vllm", {}).get("mode") != "server":
+        yield job
+        return
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from vllm_server import start_server
+
+    with open(os.devnull, "w") as log:
+        process, url = start_server(job["folder"], log)
+        try:
+            yield dict(job, vllm=dict(job["vllm"], server_url=url))
+        finally:
+            process.kill()
+            process.wait()
+
+
 def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
+    """Our step through a real Trainer (with its vLLM server, when it samples through one)."""
+    with vllm_server(job) as job:
+        return ours_steps(job, between)
+
+
+def ours_steps(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     """Our step through a real Trainer. `between()`, when given, runs after each of our steps, outside its timing."""
     import lightning as L
 
@@ -398,7 +424,7 @@ def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     sampling_kw = {"max_new_tokens": T}
     if job.get("backend"):
         sampling_kw["backend"] = job["backend"]
-    for key in ("share_prefill",):  # only where asked: a baseline may not have the setting
+    for key in ("share_prefill", "vllm"):  # only where asked: a baseline may not have the setting
         if key in job:
             sampling_kw[key] = job[key]
     experiences: list[Any] = []
@@ -821,6 +847,12 @@ def main() -> None:
         help="a Python interpreter with trl installed: W1 also runs TRL's GRPOTrainer on the same workload ('trl')",
     )
     parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="a Python interpreter with vLLM and lit_rlhf installed (docs/vllm.md): W4 also runs the lean sampler, "
+        "a colocated vLLM engine and a vLLM server from it ('lean-vllm-env', 'vllm-colocate', 'vllm-server')",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="W1 and W4 also run ours with sampling.backend: compiled (static-cache decode steps, torch.compile)",
@@ -1017,6 +1049,12 @@ def main() -> None:
             variants["ours-tokens"] = dict(ours, algorithm=dict(grpo8, micro_batch_tokens=args.w4_tokens))
             if args.compile:
                 variants["ours-compile"] = dict(ours, backend="compiled")
+            if args.vllm_python:
+                in_vllm_env = dict(ours, python=args.vllm_python)
+                variants["lean-vllm-env"] = in_vllm_env
+                for mode in ("colocate", "server"):
+                    vllm = {"mode": mode, "max_model_len": 512}
+                    variants[f"vllm-{mode}"] = dict(in_vllm_env, backend="vllm", vllm=vllm)
             compare(
                 "W4",
                 dict(hand_base, **w4, hand_prompts=2, hand_group=8, reward="rule"),

@@ -17,7 +17,8 @@ Algorithm = Literal["ppo", "grpo"]
 RatioLevel = Literal["token", "sequence", "sequence_token"]
 KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-SamplingBackend = Literal["lean", "compiled", "generate"]
+SamplingBackend = Literal["lean", "compiled", "generate", "vllm"]
+VLLMMode = Literal["colocate", "server"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 
 _T = TypeVar("_T")
@@ -194,6 +195,10 @@ class AlgorithmConfig:
     entropy_top_fraction: float | None = None
     """Train only on this fraction of the rollout's valid tokens with the highest sampling-policy entropy
     (ties at the threshold all kept). None: every token."""
+    tis_cap: float | None = None
+    """Truncated importance sampling against the sampler: each token's policy loss is weighted by
+    min(pi_old / pi_sampler, tis_cap), pi_sampler being the rollout backend's own log-probs (an engine such as vLLM;
+    with the in-process samplers the two are the same model, so the weight is 1). None: off; 2 is usual."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose scores all tie (exactly equal: zero group advantage) and sample
     more prompts until the batch is full again (group estimators only; docs/design.md#dynamic-sampling)."""
@@ -231,6 +236,7 @@ class AlgorithmConfig:
             optional=True,
             fix="0.2 is usual; None trains on every token",
         )
+        check_float(self.tis_cap, "algorithm.tis_cap", 1, optional=True, fix="2.0 is usual; None turns it off")
         self._check_dynamic_sampling()
 
     def _check_dynamic_sampling(self) -> None:
@@ -367,6 +373,44 @@ class AlgorithmConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """The vLLM rollout backend (`sampling.backend: vllm`; `pip install -e ".[vllm]"`, docs/vllm.md)."""
+
+    mode: VLLMMode = "colocate"
+    """'colocate': an engine in the training process, built from the policy at its first rollout; 'server': an
+    OpenAI-compatible vLLM server you started (`python -m vllm.entrypoints.openai.api_server`, dev mode)."""
+    server_url: str = "http://127.0.0.1:8000"
+    """'server': the server's address."""
+    weights_dir: str | None = None
+    """'server': a folder the server can read, where each policy version is written for it to load (None: a
+    temporary folder on this machine, for a server on the same machine)."""
+    timeout_s: float = 600.0
+    """Seconds any call to the engine or server may take (building the engine, sampling, a weight push) before it
+    is an error naming the call."""
+    gpu_memory_utilization: float = 0.3
+    """'colocate' on a GPU: the share of the device's memory vLLM takes (its weights and KV cache)."""
+    kv_cache_gib: int = 1
+    """'colocate' on a CPU: the KV cache's size in whole GiB (vLLM's VLLM_CPU_KVCACHE_SPACE)."""
+    max_model_len: int | None = None
+    """'colocate': the longest prompt + response vLLM plans for (None: the model's positions)."""
+    enforce_eager: bool = True
+    """'colocate': no CUDA graphs (they cost start-up time and memory; turn off for long runs on a GPU)."""
+    allow_untested_version: bool = False
+    """Run with a vLLM version outside the range this code was tested with (`VLLM_TESTED` in the backend)."""
+
+    def __post_init__(self) -> None:
+        check_choice(self.mode, VLLMMode, "sampling.vllm.mode")
+        check_float(self.timeout_s, "sampling.vllm.timeout_s", 0, low_open=True, fix="600 is the default")
+        check_float(self.gpu_memory_utilization, "sampling.vllm.gpu_memory_utilization", 0, 1, low_open=True)
+        check_int(self.kv_cache_gib, "sampling.vllm.kv_cache_gib", 1, fix="1 fits small models")
+        check_int(self.max_model_len, "sampling.vllm.max_model_len", 1, optional=True, fix="None: the model's")
+        check_bool(self.enforce_eager, "sampling.vllm.enforce_eager")
+        check_bool(self.allow_untested_version, "sampling.vllm.allow_untested_version")
+        if not isinstance(self.server_url, str) or not self.server_url.startswith(("http://", "https://")):
+            raise _must("sampling.vllm.server_url", self.server_url, "an http:// or https:// address", "")
+
+
+@dataclass
 class SamplingConfig:
     """How responses are sampled from the policy."""
 
@@ -384,13 +428,16 @@ class SamplingConfig:
     backend: SamplingBackend = "lean"
     """The sampler (`lit_rlhf.rollout.backends`): 'lean' (a minimal KV-cache loop, faster than generate for the
     same draws), 'compiled' (the lean loop's decode steps over a static KV cache of a bucketed length, through
-    `torch.compile`; the same draws; the first use of each (batch size, length bucket) compiles) or 'generate'
-    (Hugging Face generate). All sample the same distribution (the same tokens for the same seed)."""
+    `torch.compile`; the same draws; the first use of each (batch size, length bucket) compiles), 'generate'
+    (Hugging Face generate; the same draws) or 'vllm' (a vLLM engine in this process or a vLLM server: `vllm`,
+    docs/vllm.md; its own kernels and random streams, its log-probs kept for `algorithm.tis_cap`)."""
     share_prefill: bool = True
     """'lean' and 'compiled': prefill each prompt once and repeat its KV cache for its group_size samples (same
     tokens as prefilling every copy; 'generate' always prefills every copy)."""
     compile: bool = False
     """Removed in 0.5.0: the compiled loop is `backend: compiled`; true is an error that says so."""
+    vllm: VLLMConfig | None = None
+    """`backend: vllm`'s settings (None: the defaults, colocate)."""
 
     def __post_init__(self) -> None:
         check_int(self.max_new_tokens, "sampling.max_new_tokens", 1, fix="responses need at least one token")
@@ -400,6 +447,8 @@ class SamplingConfig:
         check_bool(self.do_sample, "sampling.do_sample")
         check_choice(self.backend, SamplingBackend, "sampling.backend")
         check_bool(self.share_prefill, "sampling.share_prefill")
+        if isinstance(self.vllm, Mapping):
+            self.vllm = VLLMConfig(**self.vllm)
         if self.compile is not False:
             raise ConfigError(
                 f"sampling.compile: {self.compile!r}; since 0.5.0 the compiled decode loop is a backend of its own: "
@@ -421,10 +470,12 @@ def algorithm_and_sampling(
 def held_out_sampling(
     val_sampling: SamplingConfig | Mapping[str, Any] | None, training: SamplingConfig
 ) -> SamplingConfig:
-    """How held-out prompts are answered: `val_sampling` (or its dict), else greedy with the training length."""
+    """How held-out prompts are answered: `val_sampling` (or its dict), else greedy with the training length and
+    backend."""
     if isinstance(val_sampling, Mapping):
         return SamplingConfig(**val_sampling)
-    return val_sampling or SamplingConfig(max_new_tokens=training.max_new_tokens, do_sample=False)
+    greedy = SamplingConfig(training.max_new_tokens, do_sample=False, backend=training.backend, vllm=training.vllm)
+    return val_sampling or greedy
 
 
 def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig) -> None:

@@ -53,6 +53,10 @@ class Rollout:
     policy_version: int = 0  # number of optimizer updates the sampling policy had seen
     # (B, T) bool: response tokens that are attended but not the policy's (a multi-turn environment's); None: none
     context_mask: Tensor | None = None
+    # (B, T) float32: the rollout backend's own log-probs of the sampled tokens (0 elsewhere), kept when it runs a
+    # model of its own (vLLM) for the mismatch metrics and `algorithm.tis_cap`; None: the in-process samplers,
+    # whose log-probs are the trainer's by construction
+    sampler_logprobs: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

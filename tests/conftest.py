@@ -90,7 +90,8 @@ def checksum(module: torch.nn.Module) -> str:
 
 def generate(policy, prompts, group_size, sampling, eos_token_id, pad_token_id, generator=None):
     """`group_size` responses per prompt from the backend `sampling.backend` names, over `policy`."""
+    from lit_rlhf.rollout.backends.base import BackendContext
     from lit_rlhf.rollout.backends.registry import make_backend
 
-    backend = make_backend(sampling.backend, policy, eos_token_id, pad_token_id, generator)
+    backend = make_backend(BackendContext(policy, eos_token_id, pad_token_id, sampling, generator))
     return backend.generate(prompts, group_size, sampling)

@@ -128,3 +128,25 @@ def shaping_metrics(exp: Experience, algo: AlgorithmConfig, max_new_tokens: int)
         candidates = exp.response_mask & ~(exp.truncated[:, None] & algo.mask_truncated)
         metrics["policy/entropy_selected_frac"] = float(exp.loss_mask.sum() / candidates.sum().clamp(min=1))
     return metrics
+
+
+SAMPLER_DIFF_THRESHOLD = 0.1
+"""A token whose trainer and sampler log-probs differ by more than this (nats) counts in
+`sampler/frac_diff_over_0.1`."""
+
+
+def sampler_metrics(exp: Experience) -> dict[str, float]:
+    """How far the rollout backend's log-probs are from the trainer's (an engine of its own, e.g. vLLM): mean and
+    max |log pi_old - log pi_sampler| over the policy's tokens, and the share over `SAMPLER_DIFF_THRESHOLD`
+    (none with the in-process samplers, which are the trainer's model)."""
+    if exp.sampler_logprobs is None:
+        return {}
+    mask = exp.response_mask
+    diff = (exp.old_logprobs - exp.sampler_logprobs).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "sampler/logprob_diff_mean": float(diff.mean()),
+        "sampler/logprob_diff_max": float(diff.max()),
+        f"sampler/frac_diff_over_{SAMPLER_DIFF_THRESHOLD}": float((diff > SAMPLER_DIFF_THRESHOLD).float().mean()),
+    }

@@ -351,3 +351,15 @@ def aggregate_loss(
         length = per_token.shape[1] if max_response_len is None else max_response_len
         return per_token.sum() / (length * max(n_seq, 1.0))
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
+
+
+def truncated_importance_weight(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Truncated importance sampling for a rollout sampled by another engine than the trainer's model (vLLM's
+    kernels, or a stale copy): per token min(pi_old / pi_sampler, cap), no gradient. (B, T), (B, T) -> the weights
+    (B, T) and where the cap bit (B, T) bool.
+
+    Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+    https://fengyao.notion.site/off-policy-rl
+    """
+    ratio = torch.exp(old_logprobs.detach().float() - sampler_logprobs.float())
+    return ratio.clamp(max=cap), ratio > cap

@@ -8,6 +8,7 @@ token-share statistics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -54,25 +55,10 @@ def ppo_objective(
     def token_share(per_token: Tensor) -> float:
         return float(losses.masked_sum(per_token.detach().float(), mask) / totals.tokens)
 
-    # the ratio at `ratio_level` (per token, or GSPO's per sequence), given as a log-ratio against a zero "old"
-    ratio_log = losses.policy_log_ratio(current.logprobs, mb.old_logprobs, mask, algo.ratio_level)
-    policy_tokens, clipped = losses.clipped_policy_loss(
-        ratio_log,
-        ratio_log.new_zeros(()).expand_as(ratio_log),
-        mb.advantages,
-        algo.clip_eps_low,
-        algo.filled.clip_eps_high,
-        algo.dual_clip,
-    )
+    policy_tokens, stats = policy_term(current, mb, algo, token_share)
     policy_loss = aggregate(policy_tokens)
     loss = policy_loss
-    log_ratio = (current.logprobs - mb.old_logprobs).detach()
-    stats = {
-        "policy/loss": float(policy_loss.detach()),
-        "policy/clipfrac": token_share(clipped.float()),
-        "policy/approx_kl": token_share(0.5 * log_ratio**2),
-        "policy/ratio_mean": token_share(ratio_log.detach().exp()),
-    }
+    stats["policy/loss"] = float(policy_loss.detach())
     if current.values is not None:
         if mb.values is None or mb.returns is None:
             raise ValueError("ppo_objective: a critic's loss needs the experience's values and returns")
@@ -93,6 +79,34 @@ def ppo_objective(
     return loss, stats
 
 
+def policy_term(
+    current: PolicyForward, mb: Experience, algo: AlgorithmConfig, token_share: Callable[[Tensor], float]
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped policy loss per token (B, T), weighted by truncated importance sampling against the sampler
+    when `algorithm.tis_cap` is set and the rollout kept the sampler's log-probs, and its statistics."""
+    # the ratio at `ratio_level` (per token, or GSPO's per sequence), given as a log-ratio against a zero "old"
+    mask = mb.loss_mask
+    ratio_log = losses.policy_log_ratio(current.logprobs, mb.old_logprobs, mask, algo.ratio_level)
+    policy_tokens, clipped = losses.clipped_policy_loss(
+        ratio_log,
+        ratio_log.new_zeros(()).expand_as(ratio_log),
+        mb.advantages,
+        algo.clip_eps_low,
+        algo.filled.clip_eps_high,
+        algo.dual_clip,
+    )
+    stats: dict[str, float] = {}
+    if algo.tis_cap is not None and mb.sampler_logprobs is not None:  # another engine sampled: correct for it
+        weight, capped = losses.truncated_importance_weight(mb.old_logprobs, mb.sampler_logprobs, algo.tis_cap)
+        policy_tokens = policy_tokens * weight
+        stats.update({"policy/tis_weight_mean": token_share(weight), "policy/tis_capped_frac": token_share(capped)})
+    log_ratio = (current.logprobs - mb.old_logprobs).detach()
+    stats["policy/clipfrac"] = token_share(clipped.float())
+    stats["policy/approx_kl"] = token_share(0.5 * log_ratio**2)
+    stats["policy/ratio_mean"] = token_share(ratio_log.detach().exp())
+    return policy_tokens, stats
+
+
 def kl_to_reference(
     current: PolicyForward, mb: Experience, estimator: str, temperature: float, ref_logits: Tensor | None
 ) -> Tensor:
@@ -106,4 +120,4 @@ def kl_to_reference(
     return losses.kl_from_logprobs(current.logprobs, mb.ref_logprobs, estimator)
 
 
-__all__ = ["MinibatchTotals", "kl_to_reference", "ppo_objective"]
+__all__ = ["MinibatchTotals", "kl_to_reference", "policy_term", "ppo_objective"]

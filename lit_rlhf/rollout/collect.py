@@ -68,6 +68,7 @@ class Sampled:
             responses=self.responses,
             meta=self.meta,
             policy_version=policy_version,
+            sampler_logprobs=gen.logprobs,
         )
 
 

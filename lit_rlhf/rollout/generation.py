@@ -24,6 +24,7 @@ class Generation:
     response_ids: Tensor  # (B, T) right padded with pad after the first EOS
     response_mask: Tensor  # (B, T) bool, up to and including the first EOS
     truncated: Tensor  # (B,) bool, no EOS within the limit
+    logprobs: Tensor | None = None  # (B, T) float32: an engine's own log-probs of the sampled tokens, 0 after EOS
 
     def input_ids(self) -> Tensor:
         """Prompt and response: (B, P+T)."""
@@ -48,15 +49,23 @@ def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Ten
 
 
 def finish_generation(
-    prompts: PromptBatch, group_size: int, raw: Tensor, eos_token_id: int, pad_token_id: int
+    prompts: PromptBatch,
+    group_size: int,
+    raw: Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+    logprobs: Tensor | None = None,
 ) -> Generation:
     """A backend's raw sampled ids (B, T) for `prompts` (B0 rows, B = B0 x G) -> the `Generation`: each prompt
-    repeated `group_size` times, the response mask up to the first EOS, pad after it, the truncation flags."""
+    repeated `group_size` times, the response mask up to the first EOS, pad after it, the truncation flags; an
+    engine's log-probs (B, T) kept with 0 after the first EOS."""
     prompt_ids = prompts.input_ids.repeat_interleave(group_size, dim=0)  # (B, P)
     prompt_mask = prompts.attention_mask.repeat_interleave(group_size, dim=0)  # (B, P)
     response_mask, truncated = response_mask_from_ids(raw, eos_token_id)
     response_ids = torch.where(response_mask, raw, torch.full_like(raw, pad_token_id))
-    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated)
+    if logprobs is not None:
+        logprobs = torch.where(response_mask, logprobs.float(), torch.zeros_like(logprobs, dtype=torch.float32))
+    return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs)
 
 
 def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:

@@ -107,9 +107,7 @@ class HeldOutEvaluation(Rollouts):
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         batch = PromptBatch(encoded["input_ids"], encoded["attention_mask"], texts)
         settings = sampling if sampling is not None else self.val_sampling
-        collector = SingleTurnCollector(
-            self.backend(settings.backend), self.tokenizer, _no_score, RolloutSettings(n, settings)
-        )
+        collector = SingleTurnCollector(self.backend(settings), self.tokenizer, _no_score, RolloutSettings(n, settings))
         with eval_mode(self.actor_critic):
             rollout, _ = collector.collect(batch, self.state.policy_version)
         return rollout.responses

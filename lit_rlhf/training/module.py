@@ -19,6 +19,7 @@ from lit_rlhf.algorithms.experience import (
     make_experience,
     policy_forward,
     reference_logits,
+    sampler_metrics,
     shaping_metrics,
 )
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
@@ -184,6 +185,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         tokens_per_s = float(experience.response_mask.sum()) / clock.total_s()
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
         values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
+        values.update(sampler_metrics(experience))
         values.update({**dynamic_metrics(timings), **overlap_metrics(timings)})
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})

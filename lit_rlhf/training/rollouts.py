@@ -10,12 +10,12 @@ from typing import Any
 import lightning as L
 from torch import Tensor
 
-from lit_rlhf.config import AlgorithmConfig, ConfigError
+from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn
-from lit_rlhf.rollout.backends.base import RolloutBackend
+from lit_rlhf.rollout.backends.base import BackendContext, RolloutBackend
 from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.collect import Collector, RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.generation import Generation
@@ -61,22 +61,23 @@ class Rollouts(L.LightningModule):
         self.prompt_supply = data.connect(self.prompt_needs()) if isinstance(data, RolloutDataModule) else None
         super().setup(stage)
 
-    def backend(self, sampling_backend: str) -> RolloutBackend:
-        """The backend named `sampling_backend`, synced to the policy's current version."""
-        policy, version = self.actor_critic.policy, self.state.policy_version
-        if sampling_backend not in self._backends:
+    def backend(self, sampling: SamplingConfig) -> RolloutBackend:
+        """The backend `sampling.backend` names (one per name), synced to the policy's current version."""
+        name, policy, version = sampling.backend, self.actor_critic.policy, self.state.policy_version
+        if name not in self._backends:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            self._backends[sampling_backend] = (make_backend(sampling_backend, policy, eos, pad), version)
-        backend, synced = self._backends[sampling_backend]
+            context = BackendContext(policy, eos, pad, sampling, global_rank=self.global_rank)
+            self._backends[name] = (make_backend(context), version)
+        backend, synced = self._backends[name]
         if synced != version:
             backend.sync_weights(policy)
-            self._backends[sampling_backend] = (backend, version)
+            self._backends[name] = (backend, version)
         return backend
 
     def collector(self, settings: RolloutSettings) -> Collector:
         """Samples and scores (`compute_scores`) a batch of prompts: conversations with the environment when there
         is one, else one response per sample."""
-        backend = self.backend(settings.sampling.backend)
+        backend = self.backend(settings.sampling)
         if self.conversations is None:
             return SingleTurnCollector(backend, self.tokenizer, self.compute_scores, settings)
         return MultiTurnCollector(self.conversations, backend, self.tokenizer, self.compute_scores, settings)

@@ -14,6 +14,7 @@ from conftest import make_policy, make_trainer, prompt_batch
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.config import SamplingBackend
 from lit_rlhf.rollout.backends import registry
+from lit_rlhf.rollout.backends.base import BackendContext
 from lit_rlhf.rollout.backends.lean import LeanBackend
 from lit_rlhf.rollout.environment import EnvironmentConfig
 
@@ -29,10 +30,11 @@ def test_the_table_holds_every_sampling_backend_value():
 @pytest.mark.parametrize("name", ["lean", "generate"])  # 'compiled': tests/unit/test_compiled_sampling.py
 def test_every_backend_returns_a_post_processed_generation(tokenizer, name):
     policy = make_policy().eval()
-    backend = registry.make_backend(name, policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    sampling = SamplingConfig(max_new_tokens=5, backend=name)
+    backend = registry.make_backend(BackendContext(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, sampling))
     batch = prompt_batch(tokenizer, ["3142>", "90>"])
     torch.manual_seed(0)
-    gen = backend.generate(batch, 3, SamplingConfig(max_new_tokens=5))
+    gen = backend.generate(batch, 3, sampling)
     B, P = 6, batch.input_ids.shape[1]
     assert gen.prompt_ids.shape == gen.prompt_mask.shape == (B, P)
     assert torch.equal(gen.prompt_ids[3:], batch.input_ids[1:].expand(3, -1))  # rows b*G .. b*G+G-1: prompt b
@@ -72,7 +74,7 @@ class RecordingBackend(LeanBackend):
 @pytest.fixture
 def recording(monkeypatch):
     RecordingBackend.events = []
-    monkeypatch.setitem(registry.BACKENDS, "lean", RecordingBackend)
+    monkeypatch.setitem(registry.BACKENDS, "lean", RecordingBackend.from_context)
     return RecordingBackend
 
 
@@ -138,6 +140,6 @@ def test_a_rollout_without_a_trainer_builds_its_backend_over_the_policy(tokenize
     module = RLHFModule(policy=make_policy(), tokenizer=tokenizer, reward_fns=[REWARD], algorithm={"group_size": 2})
     rollout, _ = module.make_rollout(prompt_batch(tokenizer, ["31>"]))
     assert rollout.batch_size == 2
-    backend = module.backend("lean")
+    backend = module.backend(module.sampling)
     assert isinstance(backend, LeanBackend) and backend.policy is module.actor_critic.policy
-    assert module.backend("lean") is backend  # built once
+    assert module.backend(module.sampling) is backend  # built once

@@ -18,6 +18,7 @@ from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_fro
 from lit_rlhf.models.loading import frozen_copy
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardError, call_reward_fn
+from lit_rlhf.rollout.backends.base import BackendContext
 from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.generation import response_mask_from_ids
@@ -336,7 +337,8 @@ def collect_experience(
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
         return composer(texts, responses, meta, reward_model, ids, mask, last)
 
-    backend = make_backend(sampling.backend, actor_critic.policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    backend = make_backend(BackendContext(actor_critic.policy, eos, pad, sampling))
     settings = RolloutSettings(algo.group_size, sampling, algo.truncated_score)
     rollout, timings = SingleTurnCollector(backend, tokenizer, score, settings).collect(prompts, policy_version)
     ref_logits = reference_logits(reference, rollout) if reference is not None else None

@@ -15,6 +15,7 @@ from lit_rlhf.algorithms.losses import logprobs_from_logits
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.models.forward import causal_lm_response_forward
+from lit_rlhf.rollout.backends.base import BackendContext
 from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.collect import RolloutSettings
 from lit_rlhf.rollout.environment import Environment, EnvironmentConfig, StepResult, build_environment
@@ -38,7 +39,7 @@ class Episodes:
     max_total_tokens: int
 
     def collect(self, batch, policy, tokenizer, score, group_size, sampling, truncated_score=None):
-        backend = make_backend(sampling.backend, policy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        backend = make_backend(BackendContext(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, sampling))
         settings = RolloutSettings(group_size, sampling, truncated_score)
         conversations = Conversations(self.env, self.max_turns, self.max_total_tokens)
         return MultiTurnCollector(conversations, backend, tokenizer, score, settings).collect(batch)

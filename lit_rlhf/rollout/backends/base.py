@@ -5,11 +5,12 @@ A backend turns left-padded prompts into a `Generation` (`group_size` responses 
 grid); `sync_weights` brings its copy of the policy up to date before it samples (the in-process samplers read
 the live module, so they have nothing to copy); `close` frees what it holds. The collectors (single-turn,
 multi-turn, dynamic sampling, overlapped scoring, held-out evaluation) only ever call these three, so a new
-backend is one class here and one entry in `registry.BACKENDS` (docs/design.md, "Adding a rollout backend").
+backend is one class and one entry in `registry.BACKENDS` (docs/design.md, "Adding a rollout backend").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -42,6 +43,20 @@ class RolloutBackend(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend is built from: the policy it samples, the token ids that end and pad a response, the sampling
+    settings (a backend's own options live there, e.g. `sampling.vllm`), the in-process samplers' generator (None:
+    the global RNG) and this process's global rank (for backends shared between processes)."""
+
+    policy: nn.Module
+    eos_token_id: int
+    pad_token_id: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None = None
+    global_rank: int = 0
+
+
 class InProcessBackend:
     """A sampler that runs the policy module itself, in this process: sampling always sees its current weights,
     so `sync_weights` only records which module to run and `close` has nothing to free.
@@ -66,6 +81,10 @@ class InProcessBackend:
         prompts = prompts.to(self.device)
         raw = self.raw_responses(prompts, group_size, sampling)
         return finish_generation(prompts, group_size, raw, self.eos_token_id, self.pad_token_id)
+
+    @classmethod
+    def from_context(cls, context: BackendContext) -> InProcessBackend:
+        return cls(context.policy, context.eos_token_id, context.pad_token_id, context.generator)
 
     def raw_responses(self, prompts: PromptBatch, group_size: int, sampling: SamplingConfig) -> Tensor:
         raise NotImplementedError

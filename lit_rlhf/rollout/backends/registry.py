@@ -1,24 +1,37 @@
-"""`sampling.backend` -> the backend class: the one table of samplers."""
+"""`sampling.backend` -> how to build that backend: the one table of samplers."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from collections.abc import Callable
 
-from lit_rlhf.rollout.backends.base import InProcessBackend, RolloutBackend
+from lit_rlhf.config import VLLMConfig
+from lit_rlhf.rollout.backends.base import BackendContext, RolloutBackend
 from lit_rlhf.rollout.backends.hf_generate import GenerateBackend
 from lit_rlhf.rollout.backends.lean import CompiledBackend, LeanBackend
 
-BACKENDS: dict[str, type[InProcessBackend]] = {
-    "lean": LeanBackend,
-    "compiled": CompiledBackend,
-    "generate": GenerateBackend,
+
+def vllm_backend(context: BackendContext) -> RolloutBackend:
+    """A vLLM engine in this process (`sampling.vllm.mode: colocate`) or a client of a vLLM server (`server`)."""
+    settings = context.sampling.vllm or VLLMConfig()
+    policy, eos, pad = context.policy, context.eos_token_id, context.pad_token_id
+    if settings.mode == "server":
+        from lit_rlhf.rollout.backends.vllm_server import VLLMServerBackend
+
+        return VLLMServerBackend(policy, eos, pad, settings, context.global_rank)
+    from lit_rlhf.rollout.backends.vllm_engine import VLLMEngineBackend
+
+    return VLLMEngineBackend(policy, eos, pad, settings)
+
+
+BACKENDS: dict[str, Callable[[BackendContext], RolloutBackend]] = {
+    "lean": LeanBackend.from_context,
+    "compiled": CompiledBackend.from_context,
+    "generate": GenerateBackend.from_context,
+    "vllm": vllm_backend,
 }
 """Every value of `SamplingConfig.backend` (`config.SamplingBackend` lists the same names; a test checks)."""
 
 
-def make_backend(
-    name: str, policy: nn.Module, eos_token_id: int, pad_token_id: int, generator: torch.Generator | None = None
-) -> RolloutBackend:
-    """The backend `name` over `policy` (`generator`: the in-process samplers' RNG; None: the global one)."""
-    return BACKENDS[name](policy, eos_token_id, pad_token_id, generator)
+def make_backend(context: BackendContext) -> RolloutBackend:
+    """The backend `context.sampling.backend` names, over `context.policy`."""
+    return BACKENDS[context.sampling.backend](context)

