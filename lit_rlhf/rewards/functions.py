@@ -90,6 +90,31 @@ def is_rowwise(fn: RewardFn) -> bool:
     return getattr(fn, "lit_rlhf_rowwise", False) is True
 
 
+def isolated(fn: RewardFn | None = None, *, timeout_s: float | None = None) -> Any:
+    """Mark `fn` to run in a worker process, which is killed (and replaced) when a call overruns its time limit:
+    the hard limit for work that may hold the GIL (big-integer powers, sympy, regexes), whatever the composer's
+    `isolation`. `timeout_s`: this function's own limit, used where no `reward_timeout_s` is set (and always for
+    a metric function). Use as `@isolated` or `@isolated(timeout_s=10)`; the function must be defined at module
+    level (picklable)."""
+
+    def mark(f: RewardFn) -> RewardFn:
+        f.lit_rlhf_isolated = True  # type: ignore[attr-defined]  # a marker attribute on the user's callable
+        f.lit_rlhf_timeout_s = timeout_s  # type: ignore[attr-defined]
+        return f
+
+    return mark if fn is None else mark(fn)
+
+
+def is_isolated(fn: RewardFn) -> bool:
+    return getattr(fn, "lit_rlhf_isolated", False) is True
+
+
+def own_timeout(fn: RewardFn) -> float | None:
+    """The time limit `isolated(timeout_s=...)` gave `fn`, or None."""
+    value = getattr(fn, "lit_rlhf_timeout_s", None)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def invoke(fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> Any:
     """`fn`'s raw answer; any exception from it (SystemExit too, not KeyboardInterrupt) as a `RewardError`."""
     try:
@@ -176,5 +201,10 @@ def check_scores(
 def call_reward_fn(
     fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], nan_score: float | None = None
 ) -> Tensor:
-    """Call `fn` and check its answer against the contract: -> (B,) float32 tensor on CPU."""
+    """Call `fn` and check its answer against the contract: -> (B,) float32 tensor on CPU. A function marked
+    `isolated` runs in a worker process, within its own `timeout_s` when it has one."""
+    if is_isolated(fn):
+        from lit_rlhf.rewards.parallel import RewardCall, run_isolated
+
+        return run_isolated(RewardCall(fn, prompts, responses, meta), nan_score, own_timeout(fn))
     return check_scores(fn, invoke(fn, prompts, responses, meta), prompts, responses, nan_score)

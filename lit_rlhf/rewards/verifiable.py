@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+from lit_rlhf.rewards.functions import isolated
+
 FORMATS = ("####", "boxed", "number")
 """Answer formats a prompt can ask for: after '####' on the last line, inside \\boxed{}, or the bare number."""
 
@@ -357,13 +359,16 @@ def _math_verify():
     return math_verify
 
 
+@isolated
 def math_verify_answer(
     prompts: Sequence[str], responses: Sequence[str], answer: Sequence[Any], **meta: Any
 ) -> list[float]:
     """1.0 when math-verify finds the response's answer equivalent to `answer` (symbolically: 1/2 = 0.5 = \\frac12),
     else 0.0. A '####' answer line is handed over as its number, since math-verify does not read that marker.
-    math-verify's own timeouts use signal.alarm, which works in the main thread only: elsewhere (reward functions
-    run on worker threads) they are off, and the reward call's own timeout bounds the work."""
+    It is marked `isolated`: as a reward or metric function it runs in a worker process, in that process's main
+    thread, where math-verify's own timeouts (signal.alarm, MATH_VERIFY_TIMEOUT_S per parse and verify) work, and
+    `reward_timeout_s` kills the process when a call overruns it. Called directly off the main thread its own
+    timeouts are off."""
     math_verify = _math_verify()
     timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     answer = _check_answer_column(answer, len(responses), "math_verify_answer")
