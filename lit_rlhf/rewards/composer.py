@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
-from lit_rlhf.rewards.functions import RewardError, RewardFn, is_isolated, is_rowwise, own_timeout
-from lit_rlhf.rewards.parallel import ProcessWorkers, RewardCall, check_picklable, chunked, run_calls
+from lit_rlhf.rewards.functions import RewardError, RewardFn, check_picklable, is_isolated, is_rowwise, own_timeout
+from lit_rlhf.rewards.isolation import ProcessWorkers
+from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls, run_in_processes
 from lit_rlhf.rewards.reward_model import SequenceRewardModel
 
 ISOLATION = ("thread", "process")
@@ -127,5 +128,7 @@ class RewardComposer:
         for fn, per_fn in zip(self.reward_fns, calls, strict=True):  # one function at a time: its own limit
             if self.in_process(fn):
                 timeout = self.timeout_s if self.timeout_s is not None else own_timeout(fn)
-                results.update(zip(map(id, per_fn), self.processes.run(per_fn, self.nan_score, timeout), strict=True))
+                results.update(
+                    zip(map(id, per_fn), run_in_processes(self.processes, per_fn, self.nan_score, timeout), strict=True)
+                )
         return [torch.cat([results[id(c)] for c in per_fn]) for per_fn in calls]
