@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.data.datamodule import RolloutDataModule
-from lit_rlhf.models.export import save_module_policy
+from lit_rlhf.models.export import check_target, save_module_policy
 from lit_rlhf.training.checkpoint_io import CheckpointError, check_checkpoint_file, load_checkpoint_file
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
@@ -177,8 +177,10 @@ def export_checkpoint(
 
     `policy` / `tokenizer`: where to rebuild them from when the checkpoint does not name them (a module built
     from model instances) or names a folder that moved; the checkpoint's weights are then loaded into them.
-    Returns the folder's absolute path.
+    Returns the folder's absolute path. `out` is checked first (an existing folder needs `overwrite`, and is then
+    replaced only when it holds a previous export or Hugging Face files), before the checkpoint is read.
     """
+    check_target(out, overwrite)
     named = checkpoint_names_policy(ckpt_path)
     overrides: dict[str, Any] = {k: v for k, v in (("policy", policy), ("tokenizer", tokenizer)) if v is not None}
     # exporting scores nothing: the training's reward and metric functions (perhaps defined in a script that is

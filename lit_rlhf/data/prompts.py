@@ -49,7 +49,10 @@ class PromptTokenizer:
     ) -> tuple[list[str], list[list[int]]]:
         """The prompt texts (chat prompts rendered) and their token ids; plain prompts in one tokenizer call.
         Errors name `rows[i]` as row `first + i` of `field`."""
-        values = [prompt_value(row, self.prompt_column, self.messages_column) for row in rows]
+        values = [
+            prompt_value(row, self.prompt_column, self.messages_column, f"{field}: row {first + i}")
+            for i, row in enumerate(rows)
+        ]
         texts = [value if isinstance(value, str) else "" for value in values]
         ids: list[list[int]] = [[] for _ in rows]
         plain = [i for i, value in enumerate(values) if isinstance(value, str)]
@@ -94,7 +97,10 @@ class PromptTokenizer:
         truncation 'left' only the chat prompts are rendered."""
         suffix = "" if field == "data.prompts" else f" of {field}"
         if self.truncation != "error":  # lengths do not matter: only chat prompts need rendering
-            values = [prompt_value(row, self.prompt_column, self.messages_column) for row in rows]
+            values = [
+                prompt_value(row, self.prompt_column, self.messages_column, f"{field}: row {i}")
+                for i, row in enumerate(rows)
+            ]
             plain = [(i, value) for i, value in enumerate(values) if isinstance(value, str)]
             if self.special_tokens_in_prompts == "error":
                 self.refuse_special_spellings([value for _, value in plain], [i for i, _ in plain], field)

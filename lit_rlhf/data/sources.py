@@ -87,10 +87,48 @@ def check_messages(messages: list, where: str, column: str) -> None:
         raise ConfigError(f"{where}: field {column!r} has no user message; a chat prompt needs at least one")
 
 
-def prompt_value(row: dict[str, Any], prompt_column: str, messages_column: str) -> str | list:
+def json_messages(value: Any, column: str, messages_column: str, where: str) -> Any:
+    """`value` with a conversation stored as a JSON string (how CSV exports and many datasets keep a `messages`
+    column: '[{"role": "user", "content": "..."}]') parsed into its message list.
+
+    In `messages_column` a string must be such a JSON list (anything else is a ConfigError naming `where`); in the
+    prompt column a string is parsed only when it is a JSON list of objects with a 'role', else it is the text."""
+    if not isinstance(value, str):
+        return value
+    in_messages = column == messages_column
+    text = value.strip()
+    if not text.startswith("["):
+        if in_messages:
+            raise ConfigError(
+                f"{where}: field {column!r} holds a string ({value[:60]!r}), not a message list; give a list of "
+                "{'role', 'content'} messages (or its JSON text), or put plain prompts in data.prompt_column"
+            )
+        return value
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as err:
+        if not in_messages:
+            return value
+        raise ConfigError(
+            f"{where}: field {column!r} holds a string that is not a valid JSON message list ({err}): "
+            f"{value[:60]!r}; give a list of {{'role', 'content'}} messages"
+        ) from err
+    conversation = isinstance(parsed, list) and all(isinstance(m, dict) and "role" in m for m in parsed)
+    if not conversation and not in_messages:
+        return value
+    if not isinstance(parsed, list):
+        raise ConfigError(f"{where}: field {column!r} holds JSON that is not a message list: {value[:60]!r}")
+    check_messages(parsed, where, column)
+    return parsed
+
+
+def prompt_value(
+    row: dict[str, Any], prompt_column: str, messages_column: str, where: str = "a prompt row"
+) -> str | list:
     """A checked row's prompt: the string or message list in `prompt_column`, else the messages in
-    `messages_column`."""
-    return row[prompt_column] if prompt_column in row else row[messages_column]
+    `messages_column`; a message list stored as a JSON string is parsed (`json_messages`)."""
+    column = prompt_column if prompt_column in row else messages_column
+    return json_messages(row[column], column, messages_column, where)
 
 
 def check_row(row: Any, where: str, prompt_column: str, messages_column: str, noun: str) -> dict[str, Any]:
@@ -107,7 +145,9 @@ def check_row(row: Any, where: str, prompt_column: str, messages_column: str, no
             f"{where} has no {noun} {prompt_column!r} (nor a message list in {messages_column!r}); its fields "
             f"are {sorted(row)}; every row needs one (or set data.prompt_column / data.messages_column)"
         )
-    value = row[column]
+    value = json_messages(row[column], column, messages_column, where)
+    if value is not row[column]:
+        row = {**row, column: value}  # the parsed conversation; the caller's row is left as it was
     if isinstance(value, str):
         if not value.strip():
             raise ConfigError(f"{where}: field {column!r} is an empty prompt ({value!r}); remove the row or fill it")

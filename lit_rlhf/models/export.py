@@ -9,7 +9,15 @@ or saved as its adapter folder (`merge_lora=False`: adapter_config.json + adapte
 on a base model you load yourself.
 
 The folder is written as `<folder>.tmp-<pid>` and renamed onto `<folder>` when complete, so a reader never sees a
-half-written export; an existing `<folder>` is refused unless `overwrite=True`.
+half-written export; an existing `<folder>` is refused unless `overwrite=True`. Every export holds a marker file,
+`lit_rlhf_export.json`, listing the files it wrote. `overwrite=True` replaces only a folder that holds a previous
+export (the marker, and no file it does not list but Hugging Face model/tokenizer files) or nothing but Hugging Face
+model and tokenizer files (`HF_FILES`); anything else (a run folder, checkpoints, `.`, the home folder, a folder
+holding the current directory) is refused with an `ExportError` naming what is inside. `<folder>.tmp-<pid>` and
+`<folder>.old-<pid>` folders left by a killed export (its process is dead) are deleted, with a log line, by the
+next export to the same folder. A SIGTERM that arrives while an export is written is held until the export is
+published (or, if it fails, rolled back), then delivered to the handler it would have reached (the default one
+ends the process with the usual status, 143 in a shell).
 
 The policy is saved as this process holds it: under a strategy that shards parameters (FSDP, DeepSpeed ZeRO-3)
 save a full checkpoint and export it with `lit-rlhf-export` instead.
@@ -17,10 +25,18 @@ save a full checkpoint and export it with `lit-rlhf-export` instead.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fnmatch
+import json
+import logging
 import os
+import re
 import shutil
+import signal
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -30,6 +46,39 @@ from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.lora import has_adapters
 
 TMP_MARKER = ".tmp-"
+OLD_MARKER = ".old-"
+EXPORT_MARKER = "lit_rlhf_export.json"
+"""The file every export writes: {"lit_rlhf_export": 1, "files": [the names it wrote]}."""
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model-*-of-*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "README.md",
+    EXPORT_MARKER,
+)
+"""Names (glob patterns) of the files a Hugging Face model or tokenizer folder holds: a folder of nothing else may
+be replaced by `overwrite=True`."""
+
+log = logging.getLogger(__name__)
 
 
 class ExportError(ConfigError):
@@ -106,6 +155,42 @@ def tokenizer_to_save(tokenizer: Any) -> Any:
     return saved
 
 
+def _describe(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:8])
+    return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def replace_problem(target: str) -> str | None:
+    """Why the existing folder `target` may not be replaced by an export, or None when it may: it holds a previous
+    export (its marker, and nothing it did not write but Hugging Face files) or only Hugging Face files."""
+    if os.path.islink(target) or not os.path.isdir(target):
+        return "it is not a folder (a file or a link)"
+    here, home = os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))
+    real = os.path.realpath(target)
+    if real == here or here.startswith(real.rstrip(os.sep) + os.sep):
+        return "it is (or holds) the current directory"
+    if real in (home, os.path.realpath(os.sep)):
+        return "it is the home or root folder"
+    names = os.listdir(target)
+    written: set[str] = set()
+    if EXPORT_MARKER in names:
+        try:
+            with open(os.path.join(target, EXPORT_MARKER), encoding="utf-8") as f:
+                written = set(json.load(f).get("files", []))
+        except (OSError, ValueError, AttributeError):
+            written = set()
+    foreign = [
+        name + ("/" if os.path.isdir(os.path.join(target, name)) else "")
+        for name in names
+        if name not in written
+        and (os.path.isdir(os.path.join(target, name)) or not any(fnmatch.fnmatch(name, p) for p in HF_FILES))
+    ]
+    if foreign:
+        kind = "a previous export plus" if EXPORT_MARKER in names else "not a previous export: it holds"
+        return f"{kind} {_describe(foreign)}"
+    return None
+
+
 def check_target(folder: str, overwrite: bool) -> str:
     target = os.path.abspath(os.path.expanduser(os.fspath(folder)))
     if os.path.lexists(target) and not overwrite:
@@ -113,9 +198,61 @@ def check_target(folder: str, overwrite: bool) -> str:
             f"save_policy: {folder!r} already exists; choose another folder or pass overwrite=True "
             "(--overwrite on the command line) to replace it"
         )
-    if os.path.lexists(target) and not os.path.isdir(target):
-        raise ExportError(f"save_policy: {folder!r} is a file, not a folder; refusing to replace it")
+    if os.path.lexists(target):
+        problem = replace_problem(target)
+        if problem is not None:
+            raise ExportError(
+                f"save_policy: refusing to replace {folder!r} ({target}): {problem}. overwrite=True replaces only "
+                f"a folder holding a previous export ({EXPORT_MARKER}) or only Hugging Face model/tokenizer files; "
+                "choose another folder"
+            )
     return target
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_exports(target: str) -> list[str]:
+    """Delete `<target>.tmp-<pid>` / `<target>.old-<pid>` folders whose process is dead (killed exports)."""
+    parent, base = os.path.split(target)
+    pattern = re.compile(re.escape(base) + f"(?:{re.escape(TMP_MARKER)}|{re.escape(OLD_MARKER)})" + r"(\d+)$")
+    removed = []
+    for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        match = pattern.fullmatch(name)
+        path = os.path.join(parent, name)
+        if match and os.path.isdir(path) and not os.path.islink(path) and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.warning("removed %s, a partial export left by a killed process (pid %s)", path, match.group(1))
+    return removed
+
+
+@contextlib.contextmanager
+def sigterm_held() -> Iterator[None]:
+    """Hold a SIGTERM until the block ends (finished or rolled back), then deliver it to the handler it would have
+    reached; in the main thread only (elsewhere signals cannot be handled, and nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[Any] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            log.warning("SIGTERM arrived during the export; delivering it now that the export is done")
+            if callable(previous):
+                previous(signal.SIGTERM, received[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGTERM)
 
 
 def publish(tmp: str, target: str, folder: str, overwrite: bool) -> None:
@@ -125,7 +262,8 @@ def publish(tmp: str, target: str, folder: str, overwrite: bool) -> None:
         return
     if not overwrite:
         raise ExportError(f"save_policy: {folder!r} appeared while the export was being written")
-    old = f"{target}.old-{os.getpid()}"
+    check_target(folder, overwrite)  # what is there now, not what was there when the export began
+    old = f"{target}{OLD_MARKER}{os.getpid()}"
     os.replace(target, old)
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
@@ -162,7 +300,8 @@ def save_policy(
             adapters (False; load them with peft on the same base model). No effect without adapters.
         generation: `GenerationConfig` settings (max_new_tokens, temperature, top_k, top_p, do_sample, ...) or a
             `SamplingConfig`, on top of the policy's own generation config.
-        overwrite: replace an existing `folder` (otherwise an `ExportError` names it).
+        overwrite: replace an existing `folder` that holds a previous export or only Hugging Face files (anything
+            else, and without it any existing folder, is an `ExportError` naming it; module docstring).
 
     Returns the absolute path of the folder.
     """
@@ -173,17 +312,22 @@ def save_policy(
     if has_adapters(model) and merge_lora:
         model = merged_copy(model)
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    remove_stale_exports(target)
     tmp = f"{target}{TMP_MARKER}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # left over from a killed export of this same process id
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]  # transformers/peft method
-        if tokenizer is not None:
-            tokenizer_to_save(tokenizer).save_pretrained(tmp)
-        config.save_pretrained(tmp)
-        publish(tmp, target, folder, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with sigterm_held():
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]  # transformers/peft
+            if tokenizer is not None:
+                tokenizer_to_save(tokenizer).save_pretrained(tmp)
+            config.save_pretrained(tmp)
+            with open(os.path.join(tmp, EXPORT_MARKER), "w", encoding="utf-8") as f:
+                files = sorted({*os.listdir(tmp), EXPORT_MARKER})
+                json.dump({"lit_rlhf_export": 1, "adapters_only": adapters_only, "files": files}, f, indent=1)
+            publish(tmp, target, folder, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     if adapters_only:
         warn_unreachable_base(model, folder)
     return target
@@ -211,11 +355,13 @@ class PolicyExport:
 
 
 __all__ = [
+    "EXPORT_MARKER",
     "ExportError",
     "PolicyExport",
     "generation_config",
     "generation_settings",
     "merged_copy",
+    "replace_problem",
     "save_module_policy",
     "save_policy",
 ]

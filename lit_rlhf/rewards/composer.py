@@ -2,22 +2,30 @@
 
 The reward functions run one after another in the calling thread by default; `workers` runs them on a pool
 of threads (a `rowwise` function's batch is split into consecutive chunks across it), and `timeout_s` bounds
-each call (`lit_rlhf.rewards.parallel`). Either way the scores and their order are those of the plain loop.
+each call (`lit_rlhf.rewards.parallel`). `isolation="process"` runs every function in worker processes instead
+(max(1, workers) of them), and a function marked `isolated` (such as `math_verify_answer`) always runs there:
+a call past `timeout_s` (or the function's own `isolated(timeout_s=...)`) is then killed with its process, a hard
+limit. Either way the scores and their order are those of the plain loop.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.reward_model import SequenceRewardModel
-from lit_rlhf.rewards.functions import RewardError, RewardFn, is_rowwise
-from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls
+from lit_rlhf.rewards.functions import RewardError, RewardFn, check_picklable, is_isolated, is_rowwise, own_timeout
+from lit_rlhf.rewards.isolation import ProcessWorkers
+from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls, run_in_processes
+
+RewardIsolation = Literal["thread", "process"]
+"""Where reward functions run (`model.reward_isolation`): threads, or worker processes killed at the time limit."""
+ISOLATION = get_args(RewardIsolation)
 
 
 class RewardComposer:
@@ -31,6 +39,7 @@ class RewardComposer:
         nan_score: float | None = None,
         timeout_s: float | None = None,
         workers: int = 0,
+        isolation: RewardIsolation = "thread",
     ):
         self.reward_fns = list(reward_fns)
         if weights is None:
@@ -51,6 +60,24 @@ class RewardComposer:
                 f"model.reward_workers: {workers!r}; give a whole number >= 0 (0: call the reward functions in turn)"
             )
         self.timeout_s, self.workers = timeout_s, workers
+        if isolation not in ISOLATION:
+            raise ConfigError(
+                f"model.reward_isolation: {isolation!r}; use 'thread' (threads; a soft limit for code holding the "
+                "GIL) or 'process' (worker processes killed on timeout: a hard limit)"
+            )
+        self.isolation = isolation
+        for fn in self.reward_fns:
+            if self.in_process(fn):
+                check_picklable(fn)
+        self.processes = ProcessWorkers(max(1, workers))
+
+    def in_process(self, fn: RewardFn) -> bool:
+        """Whether `fn` runs in a worker process (`isolation='process'`, or marked `isolated`)."""
+        return self.isolation == "process" or is_isolated(fn)
+
+    def close(self) -> None:
+        """End the worker processes (they are daemons: they also end with this process)."""
+        self.processes.close()
 
     def __call__(
         self,
@@ -94,9 +121,16 @@ class RewardComposer:
         calls: list[list[RewardCall]] = [
             chunked(fn, prompts, responses, meta, self.workers if is_rowwise(fn) else 1) for fn in self.reward_fns
         ]
-        flat = run_calls([c for per_fn in calls for c in per_fn], self.nan_score, self.workers, self.timeout_s)
-        out, start = [], 0
-        for per_fn in calls:
-            out.append(torch.cat(flat[start : start + len(per_fn)]))
-            start += len(per_fn)
-        return out
+        threaded = [
+            c for fn, per_fn in zip(self.reward_fns, calls, strict=True) if not self.in_process(fn) for c in per_fn
+        ]
+        results = dict(
+            zip(map(id, threaded), run_calls(threaded, self.nan_score, self.workers, self.timeout_s), strict=True)
+        )
+        for fn, per_fn in zip(self.reward_fns, calls, strict=True):  # one function at a time: its own limit
+            if self.in_process(fn):
+                timeout = self.timeout_s if self.timeout_s is not None else own_timeout(fn)
+                results.update(
+                    zip(map(id, per_fn), run_in_processes(self.processes, per_fn, self.nan_score, timeout), strict=True)
+                )
+        return [torch.cat([results[id(c)] for c in per_fn]) for per_fn in calls]

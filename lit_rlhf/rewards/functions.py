@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import numbers
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.rewards.isolation import IsolationError, ProcessWorkers, shared_workers
 
 RewardFn = Callable[..., Any]
 
@@ -88,6 +90,31 @@ def rowwise(fn: RewardFn) -> RewardFn:
 
 def is_rowwise(fn: RewardFn) -> bool:
     return getattr(fn, "lit_rlhf_rowwise", False) is True
+
+
+def isolated(fn: RewardFn | None = None, *, timeout_s: float | None = None) -> Any:
+    """Mark `fn` to run in a worker process, which is killed (and replaced) when a call overruns its time limit:
+    the hard limit for work that may hold the GIL (big-integer powers, sympy, regexes), whatever the composer's
+    `isolation`. `timeout_s`: this function's own limit, used where no `reward_timeout_s` is set (and always for
+    a metric function). Use as `@isolated` or `@isolated(timeout_s=10)`; the function must be defined at module
+    level (picklable)."""
+
+    def mark(f: RewardFn) -> RewardFn:
+        f.lit_rlhf_isolated = True  # type: ignore[attr-defined]  # a marker attribute on the user's callable
+        f.lit_rlhf_timeout_s = timeout_s  # type: ignore[attr-defined]
+        return f
+
+    return mark if fn is None else mark(fn)
+
+
+def is_isolated(fn: RewardFn) -> bool:
+    return getattr(fn, "lit_rlhf_isolated", False) is True
+
+
+def own_timeout(fn: RewardFn) -> float | None:
+    """The time limit `isolated(timeout_s=...)` gave `fn`, or None."""
+    value = getattr(fn, "lit_rlhf_timeout_s", None)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def invoke(fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> Any:
@@ -176,5 +203,67 @@ def check_scores(
 def call_reward_fn(
     fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], nan_score: float | None = None
 ) -> Tensor:
-    """Call `fn` and check its answer against the contract: -> (B,) float32 tensor on CPU."""
+    """Call `fn` and check its answer against the contract: -> (B,) float32 tensor on CPU. A function marked
+    `isolated` runs in a worker process, within its own `timeout_s` when it has one."""
+    if is_isolated(fn):
+        return run_in_workers(shared_workers(), [(fn, prompts, responses, meta, 0)], nan_score, own_timeout(fn))[0]
     return check_scores(fn, invoke(fn, prompts, responses, meta), prompts, responses, nan_score)
+
+
+def timeout_error(fn: RewardFn, prompts: list[str], timeout_s: float, killed: bool) -> RewardError:
+    fate = (
+        "its worker process was killed"
+        if killed
+        else "its thread is left running as a daemon (Python cannot stop a thread)"
+    )
+    return RewardError(
+        f"reward function {_name(fn)} did not return within reward_timeout_s={timeout_s:g} s (batch of "
+        f"{len(prompts)}, first prompt {prompts[0]!r}); the run stops here and {fate}. Make the function "
+        "faster or raise model.reward_timeout_s"
+    )
+
+
+def run_in_workers(
+    workers: ProcessWorkers,
+    calls: Sequence[tuple[RewardFn, list[str], list[str], dict[str, list[Any]], int]],
+    nan_score: float | None,
+    timeout_s: float | None,
+) -> list[Tensor]:
+    """Each call (fn, prompts, responses, meta, offset of its first row) run in a worker process, its answer
+    checked against the contract -> (b,) scores, in order; a failure, an overrun (the worker is killed) or a dead
+    worker is a `RewardError` naming the function."""
+    try:
+        raws = workers.run([(fn, p, r, m) for fn, p, r, m, _ in calls], timeout_s)
+    except IsolationError as err:
+        fn, prompts = calls[err.index][0], calls[err.index][1]
+        batch = f"batch of {len(prompts)}, first prompt {prompts[0]!r}"
+        if err.kind == "timeout":
+            raise timeout_error(fn, prompts, timeout_s or 0.0, killed=True) from err
+        if err.kind == "error":
+            raise RewardError(f"reward function {callable_path(fn)} raised {err.detail} ({batch})") from err
+        if err.kind == "died":
+            raise RewardError(
+                f"reward function {callable_path(fn)}: its worker process died ({err.detail}) during a {batch}"
+            ) from err
+        if err.kind == "pickle":
+            raise RewardError(
+                f"reward function {callable_path(fn)} runs in a worker process, but its call cannot be pickled "
+                f"({err.detail}); define the function at module level (a dotted path) and keep the prompt rows' "
+                "columns to plain values"
+            ) from err
+        raise RewardError(f"reward function {callable_path(fn)}: {err.detail}") from err
+    return [
+        check_scores(fn, raw, p, r, nan_score, offset) for (fn, p, r, _, offset), raw in zip(calls, raws, strict=True)
+    ]
+
+
+def check_picklable(fn: RewardFn, field: str = "reward_fns") -> None:
+    """A `ConfigError` naming `fn` when it cannot be sent to a worker process."""
+    try:
+        pickle.dumps(fn)
+    except Exception as err:
+        raise ConfigError(
+            f"{field}: {callable_path(fn)} is to run in a worker process (for a hard time limit), but it cannot be "
+            f"pickled ({type(err).__name__}: {err}); define it at module level and name it by dotted path, or run "
+            "it on threads (isolation='thread', and no @isolated)"
+        ) from err

@@ -1,22 +1,43 @@
-"""Running reward-function calls with an optional per-call timeout, on a pool of daemon threads.
+"""Running reward-function calls with an optional per-call timeout: on daemon threads, or in worker processes.
 
-A Python thread cannot be killed: a call that overruns `timeout_s` fails the run with a `RewardError`, and its
-thread is abandoned as a daemon (it dies with the process, which still exits with the error's non-zero status).
+Two kinds of workers, with different guarantees (docs/settings.md, "Which guarantee each mode gives"):
+
+- threads (`run_calls`): cheap to start and share memory, but a Python thread cannot be killed. A call that
+  overruns `timeout_s` fails the run with a `RewardError` as soon as the waiting thread runs again, and its thread
+  is abandoned as a daemon (it dies with the process). That is at once for Python code and for C code that
+  releases the GIL; a C call that holds the GIL (a big-integer power such as `10**(10**8)`, a regex) keeps the
+  waiting thread from running at all, so a C-level watchdog (`faulthandler`) ends the process with status 1 and
+  every thread's traceback on stderr when the call is still running `BACKSTOP_GRACE_S` seconds past its limit.
+- processes (`lit_rlhf.rewards.isolation.ProcessWorkers`, `run_in_processes`): each call is sent to a worker
+  process; one that overruns `timeout_s` is killed (SIGKILL) and replaced, and a `RewardError` is raised within
+  `timeout_s` (plus a few milliseconds) whatever the call does: the hard limit. The functions must be picklable
+  (defined at module level, named by dotted path) and so must their columns; workers start with the 'forkserver'
+  method where there is one (else 'spawn'), never a plain fork of the training process (its threads and CUDA
+  state).
+
 Daemon threads are used instead of `concurrent.futures`, whose workers the interpreter joins at exit (a stuck
 call would then hang the exit).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import itertools
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
-from lit_rlhf.rewards.functions import RewardError, RewardFn, check_scores, invoke
+from lit_rlhf.rewards.functions import RewardError, RewardFn, check_scores, invoke, run_in_workers, timeout_error
+from lit_rlhf.rewards.isolation import ProcessWorkers
+
+BACKSTOP_GRACE_S = 2.0
+"""Seconds past a thread call's timeout after which the watchdog ends a process whose waiting thread cannot run."""
 
 
 @dataclass
@@ -92,8 +113,14 @@ def run_calls(
     if workers == 0 and timeout_s is None:
         return [call(nan_score) for call in calls]
     pool = _Pool(calls, nan_score, [_Slot() for _ in calls])
-    for _ in range(max(1, min(workers, len(calls)))):
-        threading.Thread(target=pool.work, name="lit_rlhf-reward", daemon=True).start()
+    n_threads = max(1, min(workers, len(calls)))
+    with _watchdog(timeout_s, len(calls), n_threads):  # armed first: a started call may never give the GIL back
+        for _ in range(n_threads):
+            threading.Thread(target=pool.work, name="lit_rlhf-reward", daemon=True).start()
+        return _wait(pool, calls, timeout_s)
+
+
+def _wait(pool: _Pool, calls: list[RewardCall], timeout_s: float | None) -> list[Tensor]:
     with pool.cond:
         try:
             while not all(s.done for s in pool.slots):
@@ -116,9 +143,33 @@ def run_calls(
 
 
 def _timeout_error(call: RewardCall, timeout_s: float) -> RewardError:
-    name = getattr(call.fn, "__qualname__", None) or type(call.fn).__name__
-    return RewardError(
-        f"reward function {name} did not return within reward_timeout_s={timeout_s:g} s (batch of "
-        f"{len(call.prompts)}, first prompt {call.prompts[0]!r}); the run stops here and its thread is left running "
-        "as a daemon (Python cannot stop a thread). Make the function faster or raise model.reward_timeout_s"
+    return timeout_error(call.fn, call.prompts, timeout_s, killed=False)
+
+
+def run_in_processes(
+    workers: ProcessWorkers, calls: list[RewardCall], nan_score: float | None, timeout_s: float | None
+) -> list[Tensor]:
+    """Each call's checked scores, in order, from worker processes (`lit_rlhf.rewards.isolation`)."""
+    return run_in_workers(
+        workers, [(c.fn, c.prompts, c.responses, c.meta, c.offset) for c in calls], nan_score, timeout_s
     )
+
+
+@contextlib.contextmanager
+def _watchdog(timeout_s: float | None, n_calls: int, n_threads: int) -> Iterator[None]:
+    """End the process (status 1, every thread's traceback on stderr) if the waiting thread is still blocked
+    BACKSTOP_GRACE_S after the last call could have timed out: only a call holding the GIL can cause that."""
+    stderr = sys.__stderr__
+    try:
+        fd = stderr.fileno() if stderr is not None and timeout_s is not None else None
+    except (OSError, ValueError):
+        fd = None
+    if fd is None or timeout_s is None:
+        yield
+        return
+    rounds = -(-n_calls // n_threads)  # calls run one after another on each thread
+    faulthandler.dump_traceback_later(rounds * timeout_s + BACKSTOP_GRACE_S, exit=True, file=fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.algorithms.losses import overlong_penalty
-from lit_rlhf.config import SamplingConfig
+from lit_rlhf.config import AlgorithmConfig, SamplingConfig
 from lit_rlhf.rollout.backends.base import RolloutBackend
 from lit_rlhf.rollout.generation import Generation, decode_responses
 from lit_rlhf.types import PromptBatch, Rollout
@@ -32,6 +32,11 @@ class RolloutSettings:
     sampling: SamplingConfig
     truncated_score: float | None = None
     overlong: tuple[int, float] | None = None
+
+    @classmethod
+    def training(cls, algo: AlgorithmConfig, sampling: SamplingConfig) -> RolloutSettings:
+        """The training rollouts' settings: the algorithm's group size, truncation score and over-long shaping."""
+        return cls(algo.filled.group_size, sampling, algo.truncated_score, algo.overlong)
 
 
 @dataclass

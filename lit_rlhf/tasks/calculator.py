@@ -2,7 +2,8 @@
 
 `CalculatorEnvironment` (`builtin:calculator`): the policy may end a turn with a tool call `<calc>12*7</calc>`;
 the environment evaluates it with a small arithmetic parser (no `eval`) and answers `<result>84</result>`. A turn
-without a tool call is the final answer: its last number is compared with the row's answer column (1.0 / 0.0).
+without a tool call is the final answer: its last number (`lit_rlhf.rewards.verifiable.final_number`: "1e3" is 1000,
+"2^{10}" 1024, a power too large to compute no answer) is compared exactly with the row's answer column (1.0 / 0.0).
 Made for `builtin:arithmetic` prompts (column `answer`).
 
 `PeekEnvironment` (`builtin:peek`): for `builtin:digits` prompts and the character-level digits tokenizer. The
@@ -18,13 +19,11 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from lit_rlhf.rewards.verifiable import final_number, parse_number
 from lit_rlhf.rollout.environment import Environment, StepResult
 from lit_rlhf.tasks.digits import DIGITS, EOS, PAD, SEPARATOR, UNK
 from lit_rlhf.tasks.expression import ExpressionError
 from lit_rlhf.tasks.expression import evaluate as evaluate_expression
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
 
 CalculatorError = ExpressionError
 """An expression the calculator cannot evaluate (syntax, division by zero, too long)."""
@@ -59,7 +58,14 @@ class CalculatorEnvironment(Environment):
                 f"CalculatorEnvironment: prompt rows {missing[:5]} have no {self.answer_column!r} column; set "
                 "model.environment.init_args.answer_column to the column holding the answer"
             )
-        return [Fraction(str(row[self.answer_column])) for row in rows]
+        answers = [parse_number(row[self.answer_column]) for row in rows]
+        bad = [i for i, a in enumerate(answers) if a is None]
+        if bad:
+            raise ValueError(
+                f"CalculatorEnvironment: prompt row {bad[0]} has {self.answer_column}="
+                f"{rows[bad[0]][self.answer_column]!r}, which is not a number (such as '42', '-1,234.5' or '3/4')"
+            )
+        return answers
 
     def step(self, states: list[Any], actions: list[str]) -> StepResult:
         observations, rewards, done = [], [], []
@@ -74,9 +80,9 @@ class CalculatorEnvironment(Environment):
                 rewards.append(0.0)
                 done.append(False)
                 continue
-            numbers = _NUMBER.findall(action)
+            found = final_number(action)
             observations.append("")
-            rewards.append(float(bool(numbers) and Fraction(numbers[-1]) == answer))
+            rewards.append(float(found is not None and found == answer))
             done.append(True)
         return StepResult(observations, rewards, done, list(states))
 

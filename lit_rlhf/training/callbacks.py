@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning as L
 
-from lit_rlhf.models.export import ExportError, save_module_policy
+from lit_rlhf.models.export import ExportError, replace_problem, save_module_policy
 
 SHARDING_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
 
@@ -30,8 +30,10 @@ class SavePolicy(L.Callback):
         folder: the Hugging Face folder to write (`AutoModelForCausalLM.from_pretrained(folder)` loads it).
         merge_lora: for a LoRA policy, a plain model with the adapters merged in (True) or only the adapters.
         every_n_epochs: also write it (to the same folder, replacing the last one) every this many epochs.
-        overwrite: replace a folder that exists before training starts; without it `fit` stops at the start
-            with an error naming the folder, not after training. Folders this callback wrote in the same run are
+        overwrite: replace a folder that exists before training starts, when it holds a previous export or only
+            Hugging Face model/tokenizer files (anything else, such as a run folder, stops `fit` at the start with
+            an error naming what is inside); without it `fit` stops at the start with an error naming the folder,
+            not after training. Folders this callback wrote in the same run are
             always replaced.
     """
 
@@ -62,6 +64,13 @@ class SavePolicy(L.Callback):
             raise ExportError(
                 f"SavePolicy: the folder {self.folder!r} already exists; choose another folder or set "
                 "overwrite: true to replace it at the end of training"
+            )
+        problem = replace_problem(self.folder) if exists and trainer.is_global_zero and not self.saved else None
+        problem = trainer.strategy.broadcast(problem, src=0)
+        if problem is not None:  # found before training, not after it
+            raise ExportError(
+                f"SavePolicy: overwrite: true would replace {self.folder!r}, but {problem}; it replaces only a "
+                "previous export or a folder of Hugging Face model/tokenizer files. Choose another folder"
             )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -37,7 +37,7 @@ from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.models.lora import lora_config
 from lit_rlhf.models.reward_model import SequenceRewardModel
-from lit_rlhf.rewards.composer import RewardComposer
+from lit_rlhf.rewards.composer import RewardComposer, RewardIsolation
 from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
 from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.dynamic import dynamic_metrics, dynamic_rollout, refill_source
@@ -68,6 +68,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
             and one weight each (default 1); `reward_model_weight` weighs the reward model's score.
         nan_score: replace NaN scores from reward functions by this value (default: NaN is an error).
         reward_timeout_s, reward_workers: seconds a reward call may run (None: no limit); threads for them (0: none).
+        reward_isolation: 'thread' or 'process' (worker processes killed at the limit: a hard bound; docs/settings.md).
         algorithm, sampling: the PPO/GRPO settings and the generation settings.
         lr, weight_decay, betas, warmup_steps, lr_schedule: AdamW over the trainable parameters, linear
             warm-up, then 'constant', 'linear' or 'cosine' decay to max_steps.
@@ -97,6 +98,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         nan_score: float | None = None,
         reward_timeout_s: float | None = None,
         reward_workers: int = 0,
+        reward_isolation: RewardIsolation = "thread",
         algorithm: AlgorithmConfig | None = None,
         sampling: SamplingConfig | None = None,
         lr: float = 1e-5,
@@ -121,13 +123,12 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.algorithm, self.sampling = algorithm_and_sampling(algorithm, sampling)
         check_module_settings(locals(), self.sampling)  # every argument, before any model loads
         algo = self.algorithm
-        training = RolloutSettings(algo.filled.group_size, self.sampling, algo.truncated_score, algo.overlong)
-        self.setup_rollouts(conversations_from(environment, algo), training)
+        self.setup_rollouts(conversations_from(environment, algo), RolloutSettings.training(algo, self.sampling))
         val = held_out_sampling(val_sampling, self.sampling)
         self.setup_evaluation(resolve_reward_fns(metric_fns, "model.metric_fns"), val, val_samples_per_prompt)
         if lora is not None:
             lora_config(lora)  # fail on bad LoRA settings before any model is loaded
-        settings = (reward_weights, reward_model_weight, nan_score, reward_timeout_s, reward_workers)
+        settings = (reward_weights, reward_model_weight, nan_score, reward_timeout_s, reward_workers, reward_isolation)
         self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)  # an unimportable one fails now
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name

@@ -147,13 +147,16 @@ def test_an_existing_folder_is_refused_unless_overwrite(tmp_path, tokenizer):
         save_policy(policy, tokenizer, str(folder))
     assert os.listdir(folder) == ["notes.txt"]
 
+    with pytest.raises(ExportError, match="refusing to replace .*not a previous export: it holds notes.txt"):
+        save_policy(policy, tokenizer, str(folder), overwrite=True)  # not an export (test_export_guard.py)
+    (folder / "notes.txt").unlink()
     save_policy(policy, tokenizer, str(folder), overwrite=True)
-    assert "notes.txt" not in os.listdir(folder) and "model.safetensors" in os.listdir(folder)
+    assert "model.safetensors" in os.listdir(folder)
     assert leftovers(tmp_path) == []
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(folder), tokenizer), logits(policy, tokenizer))
 
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ExportError, match="is a file, not a folder"):
+    with pytest.raises(ExportError, match="it is not a folder"):
         save_policy(policy, tokenizer, str(tmp_path / "file"), overwrite=True)
 
 

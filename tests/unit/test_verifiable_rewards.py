@@ -117,14 +117,18 @@ def test_exact_answer_scores_each_row_against_its_answer():
         "#### 2.0000000001",
         "#### 2.01",
         "12",
+        "#### 0.3333333",
     ]
-    answers = ["1234", 7, "3", "1/2", "-3", -3, 2, "2", "12"]
-    assert exact_answer([""] * 9, responses, answer=answers) == [1, 1, 0, 1, 1, 1, 1, 0, 1]
+    answers = ["1234", 7, "3", "1/2", "-3", -3, 2, "2", "12", "1/3"]
+    assert exact_answer([""] * 10, responses, answer=answers) == [1, 1, 0, 1, 1, 1, 0, 0, 1, 1]
 
 
-def test_exact_answer_tolerance_is_relative_for_large_answers():
-    assert exact_answer(["q"], ["#### 1000000.5"], answer=[1_000_000]) == [1.0]  # within 1e-6 * 1e6
-    assert exact_answer(["q"], ["#### 1000002"], answer=[1_000_000]) == [0.0]
+def test_exact_answer_compares_integers_exactly_and_others_within_tolerance():
+    assert exact_answer(["q"], ["#### 1000000.5"], answer=[1_000_000]) == [0.0]  # an integer answer: exact
+    assert exact_answer(["q"], ["#### 12000012"], answer=[12_000_000]) == [0.0]
+    assert exact_answer(["q"], ["#### 1000000.0"], answer=[1_000_000]) == [1.0]
+    assert exact_answer(["q"], ["#### 1000000.5000001"], answer=["1000000.5"]) == [1.0]  # within 1e-6 * 1e6
+    assert exact_answer(["q"], ["#### 1000002.5"], answer=["1000000.5"]) == [0.0]
 
 
 def test_exact_answer_refuses_an_answer_that_is_not_a_number():
