@@ -62,7 +62,7 @@ def test_algorithm_defaults_per_name():
         (dict(max_new_tokens=0), "sampling.max_new_tokens"),
         (dict(temperature=0.0), "sampling.temperature"),
         (dict(top_p=0.0), "sampling.top_p"),
-        (dict(backend="vllm"), "sampling.backend"),
+        (dict(backend="sglang"), "sampling.backend"),
     ],
 )
 def test_sampling_config_rejects_bad_settings(kwargs, field):

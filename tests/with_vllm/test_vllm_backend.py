@@ -1,13 +1,22 @@
 """`sampling.backend: vllm` on this CPU with SmolLM2-135M-Instruct, in both modes: after each weight update vLLM's
 log-probs of the tokens it sampled equal the trainer's float32 log-probs of the same tokens (and differ before the
-update), seeded requests repeat, GRPO runs end to end with full and LoRA training, and ranks share a server."""
+update), seeded requests repeat, GRPO runs end to end with full and LoRA training, and ranks share a server.
+
+These run in an environment with vLLM installed (`.ci/run` builds `.venv-vllm` and runs this folder there,
+docs/vllm.md) and skip elsewhere. They need SmolLM2-135M-Instruct as a Hugging Face folder at models/smollm2-135m
+(`python scripts/prepare_smollm2.py --out models/smollm2-135m`). No conftest.py here: a second one would shadow
+tests/conftest.py's helpers, which other tests import by module name."""
 
 from __future__ import annotations
+
+import os
+import pathlib
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (docs/vllm.md)")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine in the test process
 
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.algorithms.losses import logprobs_from_logits
@@ -17,6 +26,29 @@ from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.backends.vllm_common import VLLMError
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.types import PromptBatch
+
+MODEL = pathlib.Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def model_folder() -> str:
+    if not (MODEL / "config.json").is_file():
+        pytest.skip(f"no SmolLM2 folder at {MODEL}: python scripts/prepare_smollm2.py --out models/smollm2-135m")
+    return str(MODEL)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_folder, tmp_path_factory):
+    """One server for the session's server-mode tests, started as docs/vllm.md says (killed at the end)."""
+    from vllm_server import start_server  # scripts/vllm_server.py (tests/conftest.py puts scripts/ on the path)
+
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log_path, "w") as log:
+        process, url = start_server(model_folder, log)
+        yield url
+        process.kill()
+        process.wait()
+
 
 SYNC_TOLERANCE = 1e-3
 """Largest |log-prob(vLLM) - log-prob(trainer)| on a sampled token after a sync, float32 (measured: 4e-5)."""
