@@ -29,6 +29,7 @@ from lit_rlhf.config import (
     algorithm_and_sampling,
     check_module_settings,
     held_out_sampling,
+    refuses_trl_names,
 )
 from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
@@ -54,6 +55,7 @@ from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
+@refuses_trl_names("model")
 class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation, PolicyExport, ContextWindowCheck):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 
