@@ -12,7 +12,7 @@ from torch import nn
 from lit_rlhf.config import AlgorithmConfig, ConfigError
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_causal_lm
-from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
+from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora, has_adapters
 from lit_rlhf.models.portable import is_portable, portable_spec
 from lit_rlhf.models.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
 from lit_rlhf.registry import is_builtin
@@ -92,6 +92,7 @@ def build_models(
             "use the policy's own tokenizer (or resize the policy's token embeddings)"
         )
     disable_dropout(policy)
+    adapters = check_peft_policy(policy, lora)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()  # type: ignore[operator]  # transformers method
     if lora is not None:
@@ -100,7 +101,7 @@ def build_models(
     actor_critic = ActorCritic(policy, algo.uses_critic, critic_backbone, algo.share_prompt_forward)
     reference: nn.Module | None = None
     if algo.uses_reference:
-        if specs.reference is None and lora is not None:
+        if specs.reference is None and adapters:
             reference = AdapterDisabledReference(policy)
         elif specs.reference is None:
             reference = frozen_copy(policy)
@@ -112,6 +113,24 @@ def build_models(
         reward_model = build_reward_model(specs.reward_model, specs.reward_tokenizer, trust_remote_code)
         check_shared_tokenizer(reward_model, tokenizer, specs.reward_model)
     return Models(actor_critic, reference, reward_model)
+
+
+def check_peft_policy(policy: nn.Module, lora: dict[str, Any] | None) -> bool:
+    """Whether the policy trains adapters: `lora` settings, or a peft model given as the policy (whose adapters,
+    and only they, train; its reference is then the same weights with the adapters disabled)."""
+    if not has_adapters(policy):
+        return lora is not None
+    if lora is not None:
+        raise ConfigError(
+            "model.lora: the policy is already a peft model with adapters; remove model.lora (its adapters train) "
+            "or give the base model with model.lora"
+        )
+    if not any(p.requires_grad for p in policy.parameters()):
+        raise ConfigError(
+            "model.policy: the peft model's adapters are frozen (PeftModel.from_pretrained loads them for "
+            "inference); load it with is_trainable=True, or give the base model with model.lora"
+        )
+    return True
 
 
 # the config fields that give a model's longest sequence (learned position tables index past their end)
