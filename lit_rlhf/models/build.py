@@ -15,6 +15,7 @@ from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_c
 from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora, has_adapters
 from lit_rlhf.models.portable import is_portable, portable_spec
 from lit_rlhf.models.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
+from lit_rlhf.models.vocabulary import mask_padded_vocabulary
 from lit_rlhf.registry import is_builtin
 
 MODEL_ARGUMENTS = ("policy", "tokenizer", "reference", "reward_model", "reward_tokenizer")
@@ -92,6 +93,7 @@ def build_models(
             "use the policy's own tokenizer (or resize the policy's token embeddings)"
         )
     disable_dropout(policy)
+    mask_padded_vocabulary(policy, len(tokenizer))  # ids the tokenizer cannot decode are never sampled
     adapters = check_peft_policy(policy, lora)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()  # type: ignore[operator]  # transformers method
@@ -108,6 +110,7 @@ def build_models(
         else:
             reference = freeze(load_causal_lm(specs.reference, "model.reference", trust_remote_code))
             disable_dropout(reference)
+            mask_padded_vocabulary(reference, len(tokenizer))
     reward_model = None
     if specs.reward_model is not None:
         reward_model = build_reward_model(specs.reward_model, specs.reward_tokenizer, trust_remote_code)
