@@ -33,6 +33,16 @@ class TrainingState:
     update_generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
     rng_restored_per_rank: bool = False  # a checkpoint gave this rank its own RNG state
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (`Trainer(strategy="ddp_spawn")` sends the module to each process): the generator as its
+        state tensor."""
+        return {**self.__dict__, "update_generator": bytes(self.update_generator.get_state().numpy())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        generator = torch.Generator()
+        generator.set_state(torch.frombuffer(bytearray(state["update_generator"]), dtype=torch.uint8))
+        self.__dict__.update({**state, "update_generator": generator})
+
     def skip_update(self, bad: dict[str, float], max_consecutive: int, global_step: int) -> None:
         """Count an optimizer step skipped for the non-finite values `bad`; raise after `max_consecutive` in a
         row, naming them."""
