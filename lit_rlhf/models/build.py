@@ -14,7 +14,12 @@ from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_causal_lm
 from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora, has_adapters
 from lit_rlhf.models.portable import is_portable, portable_spec
-from lit_rlhf.models.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
+from lit_rlhf.models.reward_model import (
+    SequenceRewardModel,
+    build_reward_model,
+    check_reward_model_instance,
+    check_shared_tokenizer,
+)
 from lit_rlhf.models.vocabulary import mask_padded_vocabulary
 from lit_rlhf.registry import is_builtin
 
@@ -39,6 +44,7 @@ class ModelSpecs:
                 "model.policy: none given. A checkpoint of a module built from a model instance without a "
                 "transformers config cannot rebuild it: pass policy=<the model or its folder> to load_from_checkpoint"
             )
+        check_reward_model_instance(self.reward_model)  # a custom module: the right kind, before anything loads
 
     def names(self) -> dict[str, str | None]:
         """Hyperparameters: each spec that is a name, else None (instances and portable specs are not

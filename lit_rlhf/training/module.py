@@ -132,7 +132,9 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)  # an unimportable one fails now
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
-        self.hparams.update(named_settings(self.specs, reward_fns=reward_fns, metric_fns=metric_fns))
+        names = named_settings(self.specs, dict(self.hparams), reward_fns=reward_fns, metric_fns=metric_fns)
+        self.hparams.update(names)
+        self._hparams_initial.update(names)  # what loggers write to hparams.yaml: plain, safe-loadable YAML
         self.tokenizer = load_tokenizer(
             tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
         )
