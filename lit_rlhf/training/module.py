@@ -134,7 +134,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
         names = named_settings(self.specs, dict(self.hparams), reward_fns=reward_fns, metric_fns=metric_fns)
         self.hparams.update(names)
-        self._hparams_initial.update(names)  # what loggers write to hparams.yaml: plain, safe-loadable YAML
+        self.__dict__["_hparams_initial"].update(names)  # what loggers write to hparams.yaml: plain, safe-loadable YAML
         self.tokenizer = load_tokenizer(
             tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
         )
