@@ -45,6 +45,8 @@ class ModelSpecs:
                 "transformers config cannot rebuild it: pass policy=<the model or its folder> to load_from_checkpoint"
             )
         check_reward_model_instance(self.reward_model)  # a custom module: the right kind, before anything loads
+        for key in ("policy", "reference"):
+            check_not_compiled(getattr(self, key), f"model.{key}")
 
     def names(self) -> dict[str, str | None]:
         """Hyperparameters: each spec that is a name, else None (instances and portable specs are not
@@ -73,6 +75,19 @@ class ModelSpecs:
         if has_reward_model and isinstance(self.reward_model, str):
             prefixes.append("reward_model.")
         return tuple(prefixes)
+
+
+def check_not_compiled(model: Any, field: str) -> None:
+    """A `torch.compile`d model is refused: it recompiles for every new shape (each decode step's cache length,
+    the update's and the reference's widths), so a CPU step takes minutes; `sampling.backend: compiled` compiles
+    the decode loop over static, bucketed shapes instead."""
+    if isinstance(model, nn.Module) and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise ConfigError(
+            f"{field}: a torch.compile'd model (OptimizedModule) is recompiled for every new shape it meets (each "
+            "decode step's cache length, the update's and the reference's widths): two GRPO steps of a tiny model "
+            f"took minutes instead of half a second. Pass the model itself ({field.split('.')[-1]}._orig_mod) and set "
+            "sampling.backend: compiled, which compiles the decode loop over static, bucketed shapes"
+        )
 
 
 @dataclass
