@@ -50,7 +50,7 @@ from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
-from lit_rlhf.training.state import ExactResume, TrainingState, named_settings
+from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
@@ -132,9 +132,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)  # an unimportable one fails now
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
-        names = named_settings(self.specs, dict(self.hparams), reward_fns=reward_fns, metric_fns=metric_fns)
-        self.hparams.update(names)
-        self.__dict__["_hparams_initial"].update(names)  # what loggers write to hparams.yaml: plain, safe-loadable YAML
+        self.record_named_settings(reward_fns=reward_fns, metric_fns=metric_fns)  # hparams.yaml: safe YAML
         self.tokenizer = load_tokenizer(
             tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
         )

@@ -248,6 +248,13 @@ class ExactResume(L.LightningModule):
                 kwargs[key] = importable_or_standin(hparams[key], f"model.{key}")
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
+    def record_named_settings(self, **callables: Any) -> None:
+        """The hyperparameters (and what loggers write to hparams.yaml) as plain, safe-loadable data with every
+        model and function named (`named_settings`); called once the module's settings are saved."""
+        names = named_settings(self.specs, dict(self.hparams), **callables)
+        self.hparams.update(names)
+        self.__dict__["_hparams_initial"].update(names)
+
     def rebuilt_prefixes(self) -> tuple[str, ...]:
         """Frozen models reloaded from their source, left out of checkpoints."""
         return self.specs.rebuildable_prefixes(self.reference is not None, self.reward_model is not None)
