@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import os
 import signal
 import sys
 import traceback
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.cli import LightningCLI
+import yaml
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_rlhf.config import ConfigError
+from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_foreign_names
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import check_target, save_module_policy
 from lit_rlhf.training.checkpoint_io import CheckpointError, check_checkpoint_file, load_checkpoint_file
@@ -50,6 +54,15 @@ class CheckedCLI(LightningCLI):
     `RunFolderGuard` writes. A `SystemExit(0)` raised inside a subcommand (code that calls `sys.exit()`) becomes
     status 1 with a message naming where it was raised. Other exceptions keep Python's status 1 and traceback.
     """
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """TRL's option names in a config file or on the command line get a `ConfigError` naming ours, before
+        LightningCLI's own "unexpected key" error (which does not know them)."""
+        raw = args if args is not None else sys.argv[1:]
+        sections = {"model": self.model_class, "data": self.datamodule_class, "trainer": Trainer}
+        for config in raw_configs(raw):
+            check_raw_config(config, sections)
+        super().parse_arguments(parser, args)
 
     def _parse_ckpt_path(self) -> None:
         subcommand = self.config.get("subcommand")
@@ -94,6 +107,59 @@ class ResumingCLI(CheckedCLI):
         version = saved_logger_version(path) if path else None
         if version is not None and logger.init_args.get("version") is None:
             logger.init_args.version = version
+
+
+# Settings that are dataclasses inside the model's section: their keys are checked against the dataclass.
+NESTED_SETTINGS = {"algorithm": AlgorithmConfig, "sampling": SamplingConfig, "val_sampling": SamplingConfig}
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+def raw_configs(args: Any) -> list[Any]:
+    """The configs a command line names before LightningCLI parses it: each `--config` file (or YAML string) and
+    one nested dict of the dotted `--section.key value` arguments; a dict of arguments as it is."""
+    if isinstance(args, dict):
+        return [args]
+    configs: list[Any] = []
+    dotted: dict[str, Any] = {}
+    items = [str(a) for a in args]
+    for i, item in enumerate(items):
+        key, eq, value = item.partition("=")
+        value = value if eq else (items[i + 1] if i + 1 < len(items) else "")
+        if key in ("--config", "-c"):
+            with contextlib.suppress(OSError, yaml.YAMLError):
+                text = Path(value).read_text() if os.path.isfile(value) else value
+                configs.append(yaml.safe_load(text))
+        elif key.startswith("--") and "." in key:
+            node = dotted
+            *parents, last = key[2:].split(".")
+            for part in parents:
+                node = node.setdefault(part, {}) if isinstance(node.get(part, {}), dict) else {}
+            node[last] = value
+    return [*configs, dotted]
+
+
+def _init_args(section: Any) -> Any:
+    return section.get("init_args", {}) if isinstance(section, dict) and "class_path" in section else section
+
+
+def check_raw_config(config: Any, sections: dict[str, Any]) -> None:
+    """Raise a `ConfigError` naming our setting for a TRL option name in a `model`, `data` or `trainer` section
+    of `config` (or in `model.algorithm`, `model.sampling`, `model.val_sampling`)."""
+    if not isinstance(config, dict):
+        return
+    for subcommand in SUBCOMMANDS:
+        check_raw_config(config.get(subcommand), sections)
+    for name, cls in sections.items():
+        section = _init_args(config.get(name))
+        if not isinstance(section, dict) or cls is None:
+            continue
+        check_foreign_names(name, section, inspect.signature(cls.__init__).parameters)
+        if name != "model":
+            continue
+        for key, settings in NESTED_SETTINGS.items():
+            nested = _init_args(section.get(key))
+            if key in inspect.signature(cls.__init__).parameters and isinstance(nested, dict):
+                check_foreign_names(f"model.{key}", nested, inspect.signature(settings).parameters)
 
 
 def resolve_checkpoint(ckpt_path: str, callbacks: list[Any]) -> str | None:

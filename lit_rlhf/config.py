@@ -5,13 +5,16 @@ PPO and GRPO are one code path: `AlgorithmConfig.name` only fills in the setting
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 from lit_rlhf.algorithms.estimators import ESTIMATORS, Estimator
+from lit_rlhf.trl_names import trl_name_message
 
 Algorithm = Literal["ppo", "grpo"]
 RatioLevel = Literal["token", "sequence", "sequence_token"]
@@ -95,6 +98,37 @@ def check_bool(value: Any, field: str) -> None:
         raise _must(field, value, "true or false", "")
 
 
+def check_foreign_names(where: str, keys: Any, accepted: Any) -> None:
+    """Raise a `ConfigError` naming our setting for the first of `keys` that `accepted` lacks and that is one of
+    TRL's option names (`lit_rlhf.trl_names`); other unknown keys are left to the caller's own error."""
+    for key in keys:
+        message = trl_name_message(where, key) if key not in accepted else None
+        if message is not None:
+            raise ConfigError(message)
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def refuses_trl_names(where: str) -> Callable[[_C], _C]:
+    """Class decorator: the constructor refuses TRL's option names with a `ConfigError` naming ours instead of
+    Python's bare "unexpected keyword argument" (the signature, which LightningCLI reads, is unchanged)."""
+
+    def decorate(cls: _C) -> _C:
+        init = vars(cls)["__init__"]
+        accepted = frozenset(inspect.signature(init).parameters)
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            check_foreign_names(where, kwargs, accepted)
+            init(self, *args, **kwargs)
+
+        setattr(cls, "__init__", __init__)  # noqa: B010
+        return cls
+
+    return decorate
+
+
 def resolved(value: _T | None, field: str) -> _T:
     """The value of a setting that `AlgorithmConfig` fills in when it is made (None: the algorithm's default).
 
@@ -126,6 +160,7 @@ class FilledSettings(NamedTuple):
     clip_eps_high: float
 
 
+@refuses_trl_names("model.algorithm")
 @dataclass
 class AlgorithmConfig:
     """How experience becomes a loss. Fields left as None take the defaults of `name`."""
@@ -372,6 +407,7 @@ class AlgorithmConfig:
             )
 
 
+@refuses_trl_names("model.sampling")
 @dataclass
 class VLLMConfig:
     """The vLLM rollout backend (`sampling.backend: vllm`; `pip install -e ".[vllm]"`, docs/vllm.md)."""

@@ -60,6 +60,11 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
 # ----------------------------------------------------------------------------- log-probs, entropy
 
 
+# log-probs are clamped here in entropy and the exact KL: identical for finite values, and a masked id's -inf
+# (`models/vocabulary.py`) gives p log p = 0 instead of NaN
+_LOWEST = torch.finfo(torch.float32).min
+
+
 def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """log softmax(logits / temperature)[token] in float32: (B, T, V), (B, T) -> (B, T).
 
@@ -85,7 +90,7 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
         rows = flat_logits[start : start + _LOGIT_ROWS_PER_CHUNK].float()
         if temperature != 1.0:
             rows = rows / temperature
-        logp = torch.log_softmax(rows, dim=-1)
+        logp = torch.log_softmax(rows, dim=-1).clamp(min=_LOWEST)  # a masked (-inf) logit: 0 * lowest, not NaN
         out[start : start + rows.shape[0]] = -(logp.exp() * logp).sum(-1)
     return out.view(logits.shape[:-1])
 
@@ -116,6 +121,7 @@ def full_kl_from_logits(logits: Tensor, ref_logits: Tensor, temperature: float =
     for start in range(0, flat.shape[0], _LOGIT_ROWS_PER_CHUNK):
         logp = torch.log_softmax(flat[start : start + _LOGIT_ROWS_PER_CHUNK].float() / temperature, -1)
         ref_logp = torch.log_softmax(flat_ref[start : start + _LOGIT_ROWS_PER_CHUNK].float() / temperature, -1)
+        logp, ref_logp = logp.clamp(min=_LOWEST), ref_logp.clamp(min=_LOWEST)  # masked (-inf) logits: no NaN
         out[start : start + logp.shape[0]] = (logp.exp() * (logp - ref_logp)).sum(-1)
     return out.view(logits.shape[:-1])
 

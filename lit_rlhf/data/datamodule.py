@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import lightning as L
 
-from lit_rlhf.config import ConfigError, check_choice
+from lit_rlhf.config import ConfigError, check_choice, refuses_trl_names
 from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.data.prompts import PromptTokenizer
 from lit_rlhf.data.sources import PromptStream, builtin_rows, load_prompt_rows
@@ -168,6 +168,7 @@ def check_data_settings(settings: dict[str, Any]) -> None:
         raise ConfigError(f"data.val_size: must be >= 1, got {s['val_size']}")
 
 
+@refuses_trl_names("data")
 class RolloutDataModule(L.LightningDataModule):
     """Owns the prompts: sources, tokenisation, per-rank sharding, epochs, held-out sets, a resumable position.
 

@@ -12,9 +12,15 @@ from torch import nn
 from lit_rlhf.config import AlgorithmConfig, ConfigError
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.loading import disable_dropout, freeze, frozen_copy, load_causal_lm
-from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
+from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora, has_adapters
 from lit_rlhf.models.portable import is_portable, portable_spec
-from lit_rlhf.models.reward_model import SequenceRewardModel, build_reward_model, check_shared_tokenizer
+from lit_rlhf.models.reward_model import (
+    SequenceRewardModel,
+    build_reward_model,
+    check_reward_model_instance,
+    check_shared_tokenizer,
+)
+from lit_rlhf.models.vocabulary import mask_padded_vocabulary
 from lit_rlhf.registry import is_builtin
 
 MODEL_ARGUMENTS = ("policy", "tokenizer", "reference", "reward_model", "reward_tokenizer")
@@ -38,6 +44,9 @@ class ModelSpecs:
                 "model.policy: none given. A checkpoint of a module built from a model instance without a "
                 "transformers config cannot rebuild it: pass policy=<the model or its folder> to load_from_checkpoint"
             )
+        check_reward_model_instance(self.reward_model)  # a custom module: the right kind, before anything loads
+        for key in ("policy", "reference"):
+            check_not_compiled(getattr(self, key), f"model.{key}")
 
     def names(self) -> dict[str, str | None]:
         """Hyperparameters: each spec that is a name, else None (instances and portable specs are not
@@ -68,6 +77,19 @@ class ModelSpecs:
         return tuple(prefixes)
 
 
+def check_not_compiled(model: Any, field: str) -> None:
+    """A `torch.compile`d model is refused: it recompiles for every new shape (each decode step's cache length,
+    the update's and the reference's widths), so a CPU step takes minutes; `sampling.backend: compiled` compiles
+    the decode loop over static, bucketed shapes instead."""
+    if isinstance(model, nn.Module) and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        raise ConfigError(
+            f"{field}: a torch.compile'd model (OptimizedModule) is recompiled for every new shape it meets (each "
+            "decode step's cache length, the update's and the reference's widths): two GRPO steps of a tiny model "
+            f"took minutes instead of half a second. Pass the model itself ({field.split('.')[-1]}._orig_mod) and set "
+            "sampling.backend: compiled, which compiles the decode loop over static, bucketed shapes"
+        )
+
+
 @dataclass
 class Models:
     actor_critic: ActorCritic
@@ -92,6 +114,8 @@ def build_models(
             "use the policy's own tokenizer (or resize the policy's token embeddings)"
         )
     disable_dropout(policy)
+    mask_padded_vocabulary(policy, len(tokenizer))  # ids the tokenizer cannot decode are never sampled
+    adapters = check_peft_policy(policy, lora)
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()  # type: ignore[operator]  # transformers method
     if lora is not None:
@@ -100,18 +124,37 @@ def build_models(
     actor_critic = ActorCritic(policy, algo.uses_critic, critic_backbone, algo.share_prompt_forward)
     reference: nn.Module | None = None
     if algo.uses_reference:
-        if specs.reference is None and lora is not None:
+        if specs.reference is None and adapters:
             reference = AdapterDisabledReference(policy)
         elif specs.reference is None:
             reference = frozen_copy(policy)
         else:
             reference = freeze(load_causal_lm(specs.reference, "model.reference", trust_remote_code))
             disable_dropout(reference)
+            mask_padded_vocabulary(reference, len(tokenizer))
     reward_model = None
     if specs.reward_model is not None:
         reward_model = build_reward_model(specs.reward_model, specs.reward_tokenizer, trust_remote_code)
         check_shared_tokenizer(reward_model, tokenizer, specs.reward_model)
     return Models(actor_critic, reference, reward_model)
+
+
+def check_peft_policy(policy: nn.Module, lora: dict[str, Any] | None) -> bool:
+    """Whether the policy trains adapters: `lora` settings, or a peft model given as the policy (whose adapters,
+    and only they, train; its reference is then the same weights with the adapters disabled)."""
+    if not has_adapters(policy):
+        return lora is not None
+    if lora is not None:
+        raise ConfigError(
+            "model.lora: the policy is already a peft model with adapters; remove model.lora (its adapters train) "
+            "or give the base model with model.lora"
+        )
+    if not any(p.requires_grad for p in policy.parameters()):
+        raise ConfigError(
+            "model.policy: the peft model's adapters are frozen (PeftModel.from_pretrained loads them for "
+            "inference); load it with is_trainable=True, or give the base model with model.lora"
+        )
+    return True
 
 
 # the config fields that give a model's longest sequence (learned position tables index past their end)

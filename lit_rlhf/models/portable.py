@@ -8,6 +8,7 @@ A portable spec is a plain dict of strings, numbers and uint8 tensors, so the ch
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 CONFIG_KEY, FILES_KEY = "transformers_config", "tokenizer_files"
+PEFT_KEY = "peft_config"  # a peft model given as the policy: its adapters' config (the base is CONFIG_KEY)
 
 
 def is_portable(spec: Any) -> bool:
@@ -26,9 +28,12 @@ def portable_spec(obj: Any) -> dict[str, Any] | None:
     """The portable spec of a transformers model (its config) or tokenizer (its files); None for anything
     else (a model without a transformers config cannot be rebuilt from a checkpoint)."""
     if isinstance(obj, nn.Module):
-        model = getattr(obj, "model", obj)  # a SequenceRewardModel wraps the transformers model
+        model = getattr(obj, "model", obj)  # a SequenceRewardModel (and a peft model) wraps the transformers model
         to_dict = getattr(getattr(model, "config", None), "to_dict", None)
-        return {CONFIG_KEY: to_dict()} if callable(to_dict) else None
+        if not callable(to_dict):
+            return None
+        adapters = peft_adapter_config(obj)
+        return {CONFIG_KEY: to_dict(), **({PEFT_KEY: adapters} if adapters is not None else {})}
     if callable(getattr(obj, "save_pretrained", None)):
         with tempfile.TemporaryDirectory() as folder:
             obj.save_pretrained(folder)
@@ -40,13 +45,29 @@ def portable_spec(obj: Any) -> dict[str, Any] | None:
     return None
 
 
+def peft_adapter_config(model: Any) -> dict[str, Any] | None:
+    """A peft model's active adapter config as plain JSON values (sets as lists, enums as strings); None for a
+    model without peft adapters."""
+    configs = getattr(model, "peft_config", None)
+    if not callable(getattr(model, "disable_adapter", None)) or not isinstance(configs, dict):
+        return None
+    config = configs.get(getattr(model, "active_adapter", "default"))
+    return json.loads(json.dumps(config.to_dict(), default=list)) if config is not None else None
+
+
 def model_from_portable(spec: dict[str, Any], auto_class: Any) -> nn.Module:
-    """A freshly initialised model of the spec's architecture (`auto_class`: e.g. AutoModelForCausalLM)."""
+    """A freshly initialised model of the spec's architecture (`auto_class`: e.g. AutoModelForCausalLM), with
+    fresh peft adapters of the same config when the spec has one (the checkpoint's weights replace both)."""
     from transformers import AutoConfig
 
     settings = dict(spec[CONFIG_KEY])
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    return auto_class.from_config(config)
+    model = auto_class.from_config(config)
+    if spec.get(PEFT_KEY) is None:
+        return model
+    from peft import get_peft_config, get_peft_model
+
+    return get_peft_model(model, get_peft_config(dict(spec[PEFT_KEY])))
 
 
 def tokenizer_from_portable(spec: dict[str, Any]) -> Any:

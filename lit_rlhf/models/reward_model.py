@@ -94,8 +94,8 @@ def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: 
     """A reward model without a tokenizer of its own reads the policy's token ids: fail clearly when its
     vocabulary cannot be the policy's (too small), or when its own tokenizer (in its folder, in the hub cache,
     or its built-in task's) has another vocabulary or another EOS, where it reads its score."""
-    if reward_model.tokenizer is not None or policy_tokenizer is None:
-        return
+    if reward_model.tokenizer is not None or policy_tokenizer is None or not hasattr(reward_model, "model"):
+        return  # (a reward model of its own kind, `follows_reward_protocol`, is not checked here)
     fix = (
         "Set model.reward_tokenizer to the reward model's tokenizer (for example its folder) so the texts are "
         "re-tokenised for it"
@@ -152,10 +152,48 @@ def check_reward_tokenizer(model: nn.Module, reward_tokenizer: Any) -> None:
         )
 
 
+REWARD_MODEL_PROTOCOL = (
+    "a reward model instance must be a Hugging Face sequence classifier with one output "
+    "(AutoModelForSequenceClassification, num_labels=1: a backbone under its base_model_prefix and a 'score' or "
+    "'classifier' head), or an nn.Module with a method score_ids(input_ids, attention_mask, last_index) -> (B,) "
+    "scores, reading the policy's token ids (B, S) at column last_index (B,) of each row"
+)
+
+
+def follows_reward_protocol(model: Any) -> bool:
+    """A custom reward model: an `nn.Module` with `score_ids(input_ids, attention_mask, last_index)`."""
+    return isinstance(model, nn.Module) and callable(getattr(model, "score_ids", None))
+
+
+def check_reward_model_instance(spec: Any) -> None:
+    """An `nn.Module` given as `reward_model` must be a one-output HF sequence classifier or follow the protocol
+    (`REWARD_MODEL_PROTOCOL`); checked when the module is made, not at the first score."""
+    if not isinstance(spec, nn.Module) or follows_reward_protocol(spec):
+        return
+    prefix = getattr(spec, "base_model_prefix", None)
+    backbone = getattr(spec, prefix, None) if isinstance(prefix, str) and prefix else None
+    head = next((h for n in ("score", "classifier") if isinstance(h := getattr(spec, n, None), nn.Module)), None)
+    if not isinstance(backbone, nn.Module) or head is None:
+        raise ConfigError(
+            f"model.reward_model: {type(spec).__name__} is neither kind of reward model; {REWARD_MODEL_PROTOCOL}"
+        )
+
+
 def build_reward_model(spec: Any, tokenizer_spec: Any, trust_remote_code: bool) -> SequenceRewardModel:
-    """A frozen `SequenceRewardModel` from a name, folder, instance or `SequenceRewardModel`."""
+    """A frozen `SequenceRewardModel` from a name, folder, instance or `SequenceRewardModel`; a module that follows
+    the reward-model protocol (`score_ids`) is used as it is, on the policy's token ids."""
     if isinstance(spec, SequenceRewardModel):
         return freeze(spec)
+    if follows_reward_protocol(spec):
+        if tokenizer_spec is not None:
+            raise ConfigError(
+                "model.reward_tokenizer: a reward model with its own score_ids reads the policy's token ids; "
+                "remove model.reward_tokenizer"
+            )
+        if not hasattr(spec, "tokenizer"):
+            spec.tokenizer = None  # shares the policy's token ids
+        return freeze(spec)  # duck-typed: score_ids is all the composer calls
+    check_reward_model_instance(spec)
     model = load_sequence_classifier(spec, "model.reward_model", trust_remote_code)
     disable_dropout(model)
     reward_tokenizer = None

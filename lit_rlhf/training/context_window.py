@@ -44,7 +44,7 @@ class ContextWindowCheck(L.LightningModule):
             models["model.reference"] = self.reference
         reward_model = self.reward_model
         if reward_model is not None and reward_model.tokenizer is None:  # a reward model with its own tokens re-reads
-            models["model.reward_model"] = reward_model.model
+            models["model.reward_model"] = getattr(reward_model, "model", reward_model)  # (a protocol model: itself)
         return models
 
     def response_budgets(self, field: str, sampling: SamplingConfig) -> dict[str, int]:

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lit_rlhf.config import ConfigError, SamplingConfig
+from lit_rlhf.data.chat import encode_chat
+from lit_rlhf.data.sources import check_row
 from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.rewards.functions import RewardFn, call_reward_fn, callable_name
 from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
@@ -98,19 +100,48 @@ class HeldOutEvaluation(Rollouts):
         ]
 
     @torch.no_grad()
-    def generate(self, prompts: str | Sequence[str], sampling: SamplingConfig | None = None, n: int = 1) -> list[str]:
-        """`n` responses to each prompt text (greedy `val_sampling` unless `sampling` is given), in order.
+    def generate(self, prompts: Any, sampling: SamplingConfig | None = None, n: int = 1) -> list[str]:
+        """`n` responses to each prompt (greedy `val_sampling` unless `sampling` is given), in order.
 
-        Prompts are used as given (apply a chat template yourself); they are tokenised without truncation.
+        A prompt is a text, used as given, or a chat conversation (a list of {"role", "content"} messages), rendered
+        with the policy's chat template and tokenised as training prompts are (`lit_rlhf.data.chat.encode_chat`).
+        `prompts`: one prompt or a list of them; no truncation.
         """
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
-        encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
-        batch = PromptBatch(encoded["input_ids"], encoded["attention_mask"], texts)
+        items = [prompts] if isinstance(prompts, str) or is_conversation(prompts) else list(prompts)
+        batch = prompt_batch(self.tokenizer, items)
         settings = sampling if sampling is not None else self.val_sampling
         collector = SingleTurnCollector(self.backend(settings), self.tokenizer, _no_score, RolloutSettings(n, settings))
         with eval_mode(self.actor_critic):
             rollout, _ = collector.collect(batch, self.state.policy_version)
         return rollout.responses
+
+
+def is_conversation(value: Any) -> bool:
+    """A chat prompt: a non-empty list of message dicts."""
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+
+def prompt_batch(tokenizer: Any, items: list[Any]) -> PromptBatch:
+    """Texts as the tokenizer encodes them, conversations through the chat template (left padded)."""
+    if all(isinstance(item, str) for item in items):
+        encoded = tokenizer(items, padding=True, return_tensors="pt")
+        return PromptBatch(encoded["input_ids"], encoded["attention_mask"], list(items))
+    texts, ids = [], []
+    for i, item in enumerate(items):
+        where = f"generate: prompt {i}"
+        if isinstance(item, str):
+            texts.append(item)
+            ids.append(list(tokenizer(item)["input_ids"]))
+            continue
+        row = check_row({"messages": item}, where, "prompt", "messages", "prompt")
+        text, row_ids = encode_chat(tokenizer, row["messages"], where)
+        texts.append(text)
+        ids.append(row_ids)
+    width = max(len(row_ids) for row_ids in ids)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in ids], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], dtype=torch.long)
+    return PromptBatch(input_ids, attention_mask, texts)
 
 
 def _no_score(prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation) -> Tensor:

@@ -30,6 +30,7 @@ from lit_rlhf.config import (
     algorithm_and_sampling,
     check_module_settings,
     held_out_sampling,
+    refuses_trl_names,
 )
 from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
@@ -50,11 +51,12 @@ from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
-from lit_rlhf.training.state import ExactResume, TrainingState, named_settings
+from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
+@refuses_trl_names("model")
 class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation, PolicyExport, ContextWindowCheck):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 
@@ -132,7 +134,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)  # an unimportable one fails now
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
-        self.hparams.update(named_settings(self.specs, reward_fns=reward_fns, metric_fns=metric_fns))
+        self.record_named_settings(reward_fns=reward_fns, metric_fns=metric_fns)  # hparams.yaml: safe YAML
         self.tokenizer = load_tokenizer(
             tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
         )

@@ -16,8 +16,9 @@ import torch
 from lightning.pytorch.callbacks import Timer
 from torch import nn
 
+from lit_rlhf.config import ConfigError
 from lit_rlhf.models.build import ModelSpecs
-from lit_rlhf.rewards.functions import callable_path
+from lit_rlhf.rewards.functions import RewardError, callable_path, import_callable
 
 CHECKPOINT_KEY = "lit_rlhf"
 
@@ -32,6 +33,16 @@ class TrainingState:
     consecutive_skips: int = 0
     update_generator: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
     rng_restored_per_rank: bool = False  # a checkpoint gave this rank its own RNG state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (`Trainer(strategy="ddp_spawn")` sends the module to each process): the generator as its
+        state tensor."""
+        return {**self.__dict__, "update_generator": bytes(self.update_generator.get_state().numpy())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        generator = torch.Generator()
+        generator.set_state(torch.frombuffer(bytearray(state["update_generator"]), dtype=torch.uint8))
+        self.__dict__.update({**state, "update_generator": generator})
 
     def skip_update(self, bad: dict[str, float], max_consecutive: int, global_step: int) -> None:
         """Count an optimizer step skipped for the non-finite values `bad`; raise after `max_consecutive` in a
@@ -109,6 +120,9 @@ def save_training_state(
             k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
             for k, v in hparams.items()
         }
+        for key, value in checkpoint["hyper_parameters"].items():  # rebuilt from a portable spec, or given again
+            if isinstance(value, str) and value.startswith(INSTANCE):
+                checkpoint["hyper_parameters"][key] = None
         checkpoint["hyper_parameters"].update(portable_specs or {})
 
 
@@ -131,14 +145,76 @@ def load_training_state(
     state.restore(saved, rank, world_size, device)
 
 
-def named_settings(specs: ModelSpecs, **callables: Any) -> dict[str, Any]:
-    """Hyperparameters for settings that may be instances: each model by its name (None for an instance; the
-    checkpoint carries its portable spec), and each list of functions by their dotted paths."""
-    names: dict[str, Any] = dict(specs.names())
+INSTANCE = "instance:"  # how hparams.yaml names a model given as an instance (a checkpoint carries its spec)
+
+
+def instance_name(obj: Any) -> str:
+    """'instance:GPT2LMHeadModel from gpt2': the class and, when it has one, the folder or hub id it came from."""
+    model = getattr(obj, "model", obj)
+    source = getattr(obj, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    return f"{INSTANCE}{type(obj).__name__}" + (f" from {source}" if isinstance(source, str) and source else "")
+
+
+def plain(value: Any) -> Any:
+    """A setting as plain YAML data (safe-loadable): dataclasses as dicts, tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def named_settings(specs: ModelSpecs, settings: dict[str, Any], **callables: Any) -> dict[str, Any]:
+    """Hyperparameters as plain data (`hparams.yaml` loads with `yaml.safe_load`): `settings` with dataclasses
+    as dicts and tuples as lists, each model by its name or, for an instance, `instance_name` (a checkpoint
+    carries its portable spec instead), and each list of functions by their dotted paths."""
+    names: dict[str, Any] = {k: plain(v) for k, v in settings.items()}
+    for key, name in specs.names().items():
+        value = getattr(specs, key)
+        names[key] = name if name is not None or value is None else instance_name(value)
     for key, fns in callables.items():
         if fns:
             names[key] = [f if isinstance(f, str) else callable_path(f) for f in fns]
     return names
+
+
+class UnavailableFunction:
+    """Stands in for a reward or metric function that a checkpoint names but that cannot be imported here (it was
+    defined in a script): loading, exporting and generating work; scoring with it raises."""
+
+    def __init__(self, path: str, field: str):
+        self.path, self.field = path, field
+        self.__module__, _, self.__qualname__ = path.rpartition(".")  # callable_path gives `path` back
+
+    def __call__(self, prompts: list[str], responses: list[str], **meta: Any) -> Any:
+        raise RewardError(
+            f"{self.field}: {self.path!r} could not be imported when this module was loaded from its checkpoint; "
+            f"pass {self.field.split('.')[-1]}=[...] to load_from_checkpoint to score with it"
+        )
+
+
+def importable_or_standin(paths: Any, field: str) -> Any:
+    """The checkpoint's dotted paths, each one that does not import replaced by an `UnavailableFunction`."""
+    out = []
+    for path in paths:
+        try:
+            import_callable(path, field)
+            out.append(path)
+        except ConfigError:
+            out.append(UnavailableFunction(path, field))
+    return out
+
+
+def checkpoint_hparams(path: Any) -> dict[str, Any]:
+    """A checkpoint's hyperparameters, read memory-mapped ({} when it cannot be read: the load reports that)."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return {}
+    hparams = checkpoint.get("hyper_parameters") if isinstance(checkpoint, dict) else None
+    return hparams if isinstance(hparams, dict) else {}
 
 
 def attached_trainer(module: Any) -> Any | None:
@@ -159,6 +235,25 @@ class ExactResume(L.LightningModule):
     specs: ModelSpecs
     reference: nn.Module | None
     reward_model: nn.Module | None
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's `load_from_checkpoint`, which never needs the training's reward or metric functions: one
+        named by a dotted path that does not import here (defined in a script) becomes an `UnavailableFunction`,
+        so loading to export or generate works; pass `reward_fns=` / `metric_fns=` to score."""
+        missing = [key for key in ("reward_fns", "metric_fns") if key not in kwargs]
+        hparams = checkpoint_hparams(checkpoint_path) if missing else {}
+        for key in missing:
+            if hparams.get(key):
+                kwargs[key] = importable_or_standin(hparams[key], f"model.{key}")
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def record_named_settings(self, **callables: Any) -> None:
+        """The hyperparameters (and what loggers write to hparams.yaml) as plain, safe-loadable data with every
+        model and function named (`named_settings`); called once the module's settings are saved."""
+        names = named_settings(self.specs, dict(self.hparams), **callables)
+        self.hparams.update(names)
+        self.__dict__["_hparams_initial"].update(names)
 
     def rebuilt_prefixes(self) -> tuple[str, ...]:
         """Frozen models reloaded from their source, left out of checkpoints."""

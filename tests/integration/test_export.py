@@ -26,6 +26,7 @@ from lit_rlhf.cli import export_main
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.export import ExportError, save_module_policy, save_policy
 from lit_rlhf.models.lora import has_adapters
+from lit_rlhf.rewards.functions import RewardError
 from lit_rlhf.training.callbacks import SavePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -423,8 +424,10 @@ def test_cli_exports_a_checkpoint_whose_reward_functions_cannot_be_imported(tmp_
     make_trainer(max_steps=1, callbacks=[checkpoint], enable_checkpointing=True).fit(
         module, RolloutDataModule(batch_size=2, max_prompt_length=16)
     )
-    with pytest.raises(ConfigError, match="local_reward"):  # rebuilding the whole module needs the function
-        RLHFModule.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    # rebuilding the whole module needs neither: each becomes a stand-in that raises only when it is called
+    loaded = RLHFModule.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    with pytest.raises(RewardError, match="local_reward' could not be imported"):
+        loaded.reward.reward_fns[0](["a"], ["b"])
     export_main(["--ckpt", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "policy")])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()
     ids = torch.tensor([[3, 4, 5, 6]])
