@@ -48,6 +48,7 @@ from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
+from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.state import ExactResume, TrainingState, named_settings
 from lit_rlhf.training.step_logging import StepLogging
@@ -81,6 +82,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         val_sampling, val_samples_per_prompt: how held-out prompts are answered (default: greedy, one each).
         environment: multi-turn rollouts against this environment (docs/multi-turn.md); None: single-turn.
         overlap_scoring: score each rollout on a background thread while phase 3's forwards run (same results).
+        memory_check: at fit start, before the models load, plan the memory per device ('error': refuse a plan
+            over the free memory; 'warn'; 'off'); see `lit_rlhf.training.memory_plan` and `lit-rlhf-plan`.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         val_samples_per_prompt: int = 1,
         environment: EnvironmentConfig | None = None,
         overlap_scoring: bool = False,
+        memory_check: MemoryCheck = "error",
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -131,9 +135,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
         self.hparams.update(named_settings(self.specs, reward_fns=reward_fns, metric_fns=metric_fns))
-        self.tokenizer = load_tokenizer(
-            tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
-        )
+        tokenizer = policy if tokenizer is None else tokenizer  # the policy's own by default
+        self.tokenizer = load_tokenizer(tokenizer, "model.tokenizer", trust_remote_code)
         self.actor_critic: Any = None  # an ActorCritic once configure_model ran
         self.reference: nn.Module | None = None
         self.reward_model: SequenceRewardModel | None = None
@@ -150,6 +153,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """Load and wire the models (once)."""
         if self.actor_critic is not None:
             return
+        fit_memory_check(self, self.hparams["memory_check"])  # at fit start: refuse a plan that cannot fit
         models = build_models(self.specs, self.tokenizer, self.algorithm, **{k: self.hparams[k] for k in BUILD_OPTIONS})
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
