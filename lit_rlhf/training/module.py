@@ -50,6 +50,7 @@ from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
+from lit_rlhf.training.sharding import is_fsdp2, shard_module_models, unsharded_for_rollout
 from lit_rlhf.training.state import ExactResume, TrainingState, named_settings
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -157,6 +158,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         models = build_models(self.specs, self.tokenizer, self.algorithm, **{k: self.hparams[k] for k in BUILD_OPTIONS})
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
+        if is_fsdp2(self._trainer):  # ModelParallelStrategy: FSDP2 units (lit_rlhf/training/sharding.py)
+            shard_module_models(self, getattr(self, "shard_frozen", True))
 
     def train(self, mode: bool = True) -> RLHFModule:
         """Lightning switches everything to train mode; the frozen models stay in eval mode."""
@@ -200,7 +203,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         `PendingRollout` whose scores are still being computed."""
         algo, G, version = self.algorithm, self.algorithm.filled.group_size, self.state.policy_version
         collector = self.collector(self.rollout_settings)
-        with eval_mode(self.actor_critic):
+        with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
             if self.hparams["overlap_scoring"]:  # refused with an environment: a single-turn collector
                 assert isinstance(collector, SingleTurnCollector)
                 return start_rollout(collector, prompts, version)

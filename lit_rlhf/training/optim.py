@@ -60,7 +60,8 @@ def non_finite_parameters(named_parameters: Iterable[tuple[str, nn.Parameter]]) 
     named = list(named_parameters)
     if not named:
         return []
-    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu()
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # FSDP2: this rank's shard
+    finite = torch.stack([torch.isfinite(p.detach()).all() for p in local]).cpu()
     return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
 
 
