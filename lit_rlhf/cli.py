@@ -3,6 +3,7 @@
 lit-rlhf fit --config configs/grpo.yaml                  # PPO / GRPO (also: python train.py ...)
 lit-rlhf-reward fit --config configs/reward_model.yaml   # a reward model on preference pairs
 lit-rlhf-export --ckpt runs/grpo/checkpoints/last.ckpt --out runs/grpo/policy   # a Hugging Face folder
+lit-rlhf-plan --config configs/grpo.yaml                 # the memory plan per device, before anything loads
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import check_target, save_module_policy
 from lit_rlhf.training.checkpoint_io import CheckpointError, check_checkpoint_file, load_checkpoint_file
+from lit_rlhf.training.memory_plan import GiB, available_bytes, plan_memory, plan_settings
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
 from lit_rlhf.training.state import CHECKPOINT_KEY
@@ -298,6 +300,29 @@ def export_main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError) as err:
         raise SystemExit(f"lit-rlhf-export: error: {err}") from err
     print(path, file=sys.stdout)
+
+
+def plan_main(argv: list[str] | None = None) -> None:
+    """`lit-rlhf-plan --config X [--device-memory-gb N] [--model.x ...]`: the memory plan of a training config
+    per device, from the config and the models' configs alone (no weights loaded); exit status 1 with the
+    refusal `fit` would give when it does not fit. Other arguments go to the config parser as for `fit`."""
+    parser = argparse.ArgumentParser(
+        prog="lit-rlhf-plan",
+        description="Print the memory plan per device of a lit_rlhf training config (nothing is loaded).",
+    )
+    parser.add_argument("--config", action="append", required=True, help="a config as for lit-rlhf fit")
+    parser.add_argument("--device-memory-gb", type=float, help="plan against this many GiB (default: free now)")
+    args, rest = parser.parse_known_args(argv)
+    cli_args = [arg for path in args.config for arg in ("--config", path)] + rest
+    with quiet_known_notices():
+        cli = CheckedCLI(RLHFModule, RolloutDataModule, run=False, args=cli_args, save_config_callback=None)
+    settings = plan_settings(cli.model, cli.datamodule, cli.trainer)
+    gb = args.device_memory_gb
+    plan = plan_memory(settings, int(gb * GiB) if gb else available_bytes(settings.device, settings.processes_per_host))
+    print(plan.table())
+    refusal = plan.refusal()
+    if refusal is not None:
+        raise SystemExit("lit-rlhf-plan: error: " + refusal.split("\n", 1)[0])
 
 
 def main_script() -> None:

@@ -340,6 +340,11 @@ def save_module_policy(module: Any, folder: str, merge_lora: bool = True, overwr
         raise ExportError(
             f"save_policy: the module has no policy yet (call configure_model() first); folder {folder!r}"
         )
+    if any(hasattr(p, "full_tensor") for p in module.actor_critic.policy.parameters()):  # DTensor shards
+        raise ExportError(
+            "save_policy: the policy is sharded (ModelParallelStrategy, FSDP2); gathering it into a Hugging Face "
+            f"folder is not supported yet, so {folder!r} was not written: train with strategy: ddp to export"
+        )
     sampling = getattr(module, "sampling", None)
     settings = generation_settings(sampling) if isinstance(sampling, SamplingConfig) else None
     return save_policy(module.actor_critic.policy, module.tokenizer, folder, merge_lora, settings, overwrite)

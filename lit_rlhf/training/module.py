@@ -6,7 +6,6 @@ scoring in `lit_rlhf.rollout`, model building in `lit_rlhf.models.build`, resume
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +49,9 @@ from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
+from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
+from lit_rlhf.training.sharding import is_fsdp2, shard_module_models, unsharded_for_rollout
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -85,6 +86,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         val_sampling, val_samples_per_prompt: how held-out prompts are answered (default: greedy, one each).
         environment: multi-turn rollouts against this environment (docs/multi-turn.md); None: single-turn.
         overlap_scoring: score each rollout on a background thread while phase 3's forwards run (same results).
+        memory_check: at fit start, before the models load, plan the memory per device ('error': refuse a plan
+            over the free memory; 'warn'; 'off'); see `lit_rlhf.training.memory_plan` and `lit-rlhf-plan`.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         val_samples_per_prompt: int = 1,
         environment: EnvironmentConfig | None = None,
         overlap_scoring: bool = False,
+        memory_check: MemoryCheck = "error",
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -135,9 +139,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
         self.save_hyperparameters(ignore=[*MODEL_ARGUMENTS, "reward_fns", "metric_fns"])  # instances: by name
         self.record_named_settings(reward_fns=reward_fns, metric_fns=metric_fns)  # hparams.yaml: safe YAML
-        self.tokenizer = load_tokenizer(
-            tokenizer if tokenizer is not None else policy, "model.tokenizer", trust_remote_code
-        )
+        tokenizer = policy if tokenizer is None else tokenizer  # the policy's own by default
+        self.tokenizer = load_tokenizer(tokenizer, "model.tokenizer", trust_remote_code)
         self.actor_critic: Any = None  # an ActorCritic once configure_model ran
         self.reference: nn.Module | None = None
         self.reward_model: SequenceRewardModel | None = None
@@ -154,9 +157,12 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """Load and wire the models (once)."""
         if self.actor_critic is not None:
             return
+        fit_memory_check(self, self.hparams["memory_check"])  # at fit start: refuse a plan that cannot fit
         models = build_models(self.specs, self.tokenizer, self.algorithm, **{k: self.hparams[k] for k in BUILD_OPTIONS})
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
+        if is_fsdp2(self._trainer):  # ModelParallelStrategy: FSDP2 units (lit_rlhf/training/sharding.py)
+            shard_module_models(self, getattr(self, "shard_frozen", True))
 
     def train(self, mode: bool = True) -> RLHFModule:
         """Lightning switches everything to train mode; the frozen models stay in eval mode."""
@@ -201,7 +207,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         `PendingRollout` whose scores are still being computed."""
         algo, G, version = self.algorithm, self.algorithm.filled.group_size, self.state.policy_version
         collector = self.collector(self.rollout_settings)
-        with eval_mode(self.actor_critic):
+        with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
             if self.hparams["overlap_scoring"]:  # refused with an environment: a single-turn collector
                 assert isinstance(collector, SingleTurnCollector)
                 return start_rollout(collector, prompts, version)
@@ -290,8 +296,3 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         if self.algorithm.full_kl_in_loss and self.reference is not None:
             ref_logits = reference_logits(self.reference, mb, self.algorithm.share_prompt_forward)
         return ppo_objective(current, mb, self.algorithm, totals, self.sampling.temperature, ref_logits)
-
-    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
-        """Under DDP, skip the gradient all-reduce for all but a minibatch's last micro-batch."""
-        block = getattr(self.trainer.strategy, "block_backward_sync", None)
-        return contextlib.nullcontext() if enabled or block is None else block()

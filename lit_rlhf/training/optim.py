@@ -7,6 +7,7 @@ Lightning steps nothing itself under manual optimisation, and refuses `Trainer(g
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -60,7 +61,8 @@ def non_finite_parameters(named_parameters: Iterable[tuple[str, nn.Parameter]]) 
     named = list(named_parameters)
     if not named:
         return []
-    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).cpu()
+    local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # FSDP2: this rank's shard
+    finite = torch.stack([torch.isfinite(p.detach()).all() for p in local]).cpu()
     return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
 
 
@@ -88,6 +90,11 @@ class ManualOptimization(L.LightningModule):
     state: TrainingState
     step_metrics: dict[str, float]  # the last training step's own metrics
     scheduler_monitors: Sequence[str | None] = ()  # per `trainer.lr_scheduler_configs` entry, set at fit start
+
+    def gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """Under DDP, skip the gradient all-reduce for all but a minibatch's last micro-batch."""
+        block = getattr(self.trainer.strategy, "block_backward_sync", None)
+        return contextlib.nullcontext() if enabled or block is None else block()
 
     def trainable_parameters(self) -> Iterable[nn.Parameter]:
         """The parameters that train: every one with requires_grad (frozen models have none)."""

@@ -1,0 +1,447 @@
+"""A memory plan before anything loads: per device, from the settings and the models' configs alone.
+
+Each model is built on the `meta` device from its config (transformers `AutoConfig` for a name or folder, the
+task's builder for `builtin:<task>`), so parameters are counted exactly and no weight is read. The terms:
+
+- weights of the policy (+ value head; + a separate critic backbone), the reference (none with LoRA: the policy
+  with adapters disabled; none when `kl_coef` is 0) and the reward model, in the models' dtype (`bf16-true` /
+  `16-true` precision: 2 bytes);
+- gradients (the trainable parameters' dtype) and AdamW's two fp32 states per trainable parameter;
+- the activations one micro-batch keeps for backward (`activation_bytes`, formula below) and the reference's
+  logits over the rollout's responses (phase 3);
+- the rollout's KV cache: (batch_size x group_size) rows of (max_prompt_length + max_new_tokens) tokens, 2 x
+  layers x kv_heads x head_dim values each;
+- under FSDP (`ModelParallelStrategy`, `FSDPStrategy`) the sharded models' weights, gradients and optimizer
+  states divided by the world size, plus the whole policy unsharded while it samples.
+
+The peak is `weights + optimizer + max(rollout, update)`: the KV cache is freed before the update, and the
+gradients are set to None after each optimizer step, so they never meet the KV cache; within the update, backward
+frees the activations as it writes the gradients, so the update holds about the larger of the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lit_rlhf.config import ConfigError
+from lit_rlhf.registry import get_task, is_builtin
+
+MemoryCheck = Literal["error", "warn", "off"]
+GiB = 1024**3
+
+# Activations kept for backward, in elements per token and layer (no recompute): ELEMENTS_PER_HIDDEN x hidden +
+# ELEMENTS_PER_MLP x intermediate. Measured, not derived: fitted to SmolLM2-135M (SiLU-gated MLP) on CPU
+# (docs/memory.md). Counting a Llama block's named saved tensors (the block's input, the norms' outputs, q, k, v
+# and their rotated copies, the attention output; the gate and up projections, the activation and the product)
+# gives about 7 x hidden + 4 x intermediate, half of what is measured: autograd keeps more (copies made by
+# reshapes of non-contiguous tensors, float32 upcasts in the norms, the masks). Eager attention also keeps its
+# (heads x T) probabilities per token (2 copies); `sdpa` keeps none.
+ELEMENTS_PER_HIDDEN = 16
+ELEMENTS_PER_MLP = 6
+# GPT-2's `gelu_new` is written out in Python (x^3, tanh, products), each step keeping an intermediate-sized
+# tensor: fitted to the built-in GPT-2 on CPU.
+ELEMENTS_PER_MLP_UNFUSED = 7
+UNFUSED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh_python")
+# Logits kept per response token and vocabulary entry: the logits, the temperature-scaled copy, the
+# log-softmax and the softmax of the entropy term.
+LOGIT_COPIES = 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of one model, read from its config and a `meta`-device build."""
+
+    params: int
+    trainable: int  # with LoRA: the adapters only
+    element_bytes: int
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eager_attention: bool
+    mlp_elements: int = ELEMENTS_PER_MLP
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.element_bytes
+
+
+def config_value(config: Any, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
+    """A model's shape from its config and parameters (meta or real)."""
+    config = model.config
+    hidden = config_value(config, "hidden_size", "n_embd", "d_model")
+    heads = config_value(config, "num_attention_heads", "n_head", default=1)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    dtype = next(model.parameters()).dtype
+    activation = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
+    return ModelShape(
+        params=params,
+        trainable=trainable,
+        element_bytes=element_bytes or dtype.itemsize,
+        layers=config_value(config, "num_hidden_layers", "n_layer"),
+        hidden=hidden,
+        intermediate=config_value(config, "intermediate_size", "n_inner", default=4 * hidden) or 4 * hidden,
+        heads=heads,
+        kv_heads=config_value(config, "num_key_value_heads", default=heads),
+        head_dim=config_value(config, "head_dim", default=hidden // heads),
+        vocab=config_value(config, "vocab_size"),
+        eager_attention=getattr(config, "_attn_implementation", "eager") == "eager",
+        mlp_elements=ELEMENTS_PER_MLP_UNFUSED if activation in UNFUSED_ACTIVATIONS else ELEMENTS_PER_MLP,
+    )
+
+
+def config_dtype(config: Any) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def meta_model(spec: Any, field: str, kind: Literal["causal", "classifier"], trust_remote_code: bool) -> nn.Module:
+    """The model `spec` names, built on the `meta` device: no weight read or allocated."""
+    if isinstance(spec, nn.Module):
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"{field}: the memory plan needs a name, a folder or 'builtin:<task>', got {type(spec)!r}")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if is_builtin(spec):
+        task = get_task(spec, field)
+        build = task.policy if kind == "causal" else task.reward_model
+        if build is None:
+            raise ConfigError(f"{field}: {spec!r} has no reward model")
+        with torch.device("meta"):
+            return build()
+    config = AutoConfig.from_pretrained(os.path.expanduser(spec), trust_remote_code=trust_remote_code)
+    auto = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    return model.to(config_dtype(config))
+
+
+def lora_trainable(model: nn.Module, lora: dict[str, Any]) -> int:
+    """Parameters the LoRA adapters add to `model` (a meta-device copy gets them; nothing is allocated)."""
+    import copy
+
+    from lit_rlhf.models.lora import apply_lora
+
+    with torch.device("meta"):
+        wrapped = apply_lora(copy.deepcopy(model), lora)
+    return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+
+
+@dataclass
+class PlanSettings:
+    """The settings a plan reads, gathered from the module, the DataModule and the Trainer."""
+
+    policy: Any
+    reference: Any = None
+    reward_model: Any = None
+    lora: dict[str, Any] | None = None
+    uses_critic: bool = False
+    uses_reference: bool = True
+    separate_critic: bool = False
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    prompts_per_device: int = 1
+    group_size: int = 1
+    num_minibatches: int = 1
+    micro_batch_size: int | None = None
+    share_prompt_forward: bool = True  # each distinct prompt through the layers once per forward
+    prompt_tokens: int = 1
+    new_tokens: int = 1
+    world_size: int = 1
+    sharded: bool = False  # FSDP: weights, gradients and optimizer states split over world_size
+    shard_frozen: bool = True  # FSDP: the reference and reward model sharded too (else replicated)
+    half_precision: bool = False  # bf16-true / 16-true: 2-byte weights
+    device: str = "cpu"
+    processes_per_host: int = 1  # CPU processes share one RAM
+
+
+@dataclass
+class Term:
+    name: str
+    phase: Literal["persistent", "rollout", "update"]
+    bytes: int
+    shrink: str  # the settings that make it smaller
+
+
+@dataclass
+class MemoryPlan:
+    terms: list[Term]
+    available: int | None = None
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.phase("persistent") + max(self.phase("rollout"), self.phase("update"))
+
+    def phase(self, name: str) -> int:
+        """A phase's peak: the sum of its terms, except that backward frees the activations as it writes the
+        gradients, so the update holds about the larger of the two at once."""
+        terms = [t for t in self.terms if t.phase == name]
+        overlapping = [t.bytes for t in terms if t.name == "gradients" or t.name.startswith("activations")]
+        return sum(t.bytes for t in terms) - sum(overlapping) + max(overlapping, default=0)
+
+    @property
+    def largest(self) -> Term:
+        return max(self.terms, key=lambda t: t.bytes)
+
+    def table(self) -> str:
+        lines = [f"{'term':<40} {'phase':<10} {'MiB':>10}"]
+        lines += [f"{t.name:<40} {t.phase:<10} {t.bytes / 2**20:>10.1f}" for t in self.terms]
+        lines.append(f"{'peak (persistent + max(rollout, update))':<51} {self.total / 2**20:>10.1f}")
+        if self.available is not None:
+            lines.append(f"{'available on ' + self.device:<51} {self.available / 2**20:>10.1f}")
+        return "\n".join(lines + self.notes)
+
+    def refusal(self) -> str | None:
+        """The error message when the plan does not fit the available memory, else None."""
+        if self.available is None or self.total <= self.available:
+            return None
+        big = self.largest
+        return (
+            f"memory plan: about {self.total / GiB:.2f} GiB per device needed, {self.available / GiB:.2f} GiB "
+            f"available on {self.device}; the largest term is {big.name} ({big.bytes / GiB:.2f} GiB): {big.shrink}. "
+            "Other settings that shrink the plan: model.lora, model.algorithm.micro_batch_size, "
+            "model.gradient_checkpointing, sharding (trainer.strategy: ModelParallelStrategy over more devices), "
+            "offload (FSDPStrategy cpu_offload). Set model.memory_check: warn (or off) to start anyway.\n"
+            + self.table()
+        )
+
+
+def activation_bytes(
+    shape: ModelShape, rows: int, prompt_rows: int, prompt: int, response: int, checkpointing: bool
+) -> int:
+    """Bytes one forward with grad keeps for backward: `prompt_rows` x `prompt` prompt tokens (each distinct prompt
+    once with the shared-prompt forward) and `rows` x `response` response tokens. Per layer and token:
+    ELEMENTS_PER_HIDDEN x hidden + mlp_elements x intermediate (+ 2 x heads x (prompt + response) with eager
+    attention); with gradient checkpointing each layer keeps only its input (hidden) and one layer's full set is
+    alive at a time during the recompute. Plus LOGIT_COPIES x vocab per response token."""
+    per_layer = ELEMENTS_PER_HIDDEN * shape.hidden + shape.mlp_elements * shape.intermediate
+    if shape.eager_attention:
+        per_layer += 2 * shape.heads * (prompt + response)
+    if checkpointing:
+        per_token = shape.layers * shape.hidden + per_layer
+    else:
+        per_token = shape.layers * per_layer
+    tokens = prompt_rows * prompt + rows * response
+    logits = rows * LOGIT_COPIES * (response + 1) * shape.vocab
+    return (tokens * per_token + logits) * shape.element_bytes
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
+    return rows * tokens * 2 * shape.layers * shape.kv_heads * shape.head_dim * shape.element_bytes
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' notices about building a model from a config are noise here."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def model_shapes(s: PlanSettings) -> dict[str, ModelShape]:
+    """The shapes of the models the settings build: policy, reference, reward model (the last two if any)."""
+    size = 2 if s.half_precision else None
+    with _quiet():
+        policy = meta_model(s.policy, "model.policy", "causal", s.trust_remote_code)
+        shapes = {"policy": shape_of(policy, size)}
+        if s.lora is not None:
+            shapes["policy"] = _with_trainable(shapes["policy"], lora_trainable(policy, s.lora))
+        if s.uses_reference and s.lora is None:
+            reference = policy if s.reference is None else meta_model(s.reference, "model.reference", "causal", False)
+            shapes["reference"] = shape_of(reference, size)
+        elif s.uses_reference and s.reference is not None:
+            shapes["reference"] = shape_of(meta_model(s.reference, "model.reference", "causal", False), size)
+        if s.reward_model is not None:
+            reward = meta_model(s.reward_model, "model.reward_model", "classifier", s.trust_remote_code)
+            shapes["reward model"] = shape_of(reward, size)
+    return shapes
+
+
+def _with_trainable(shape: ModelShape, trainable: int) -> ModelShape:
+    from dataclasses import replace
+
+    return replace(shape, trainable=trainable)
+
+
+def plan_memory(s: PlanSettings, available: int | None = None) -> MemoryPlan:
+    """The per-device plan for settings `s` (`available`: the device memory to compare with; None: not compared)."""
+    shapes = model_shapes(s)
+    policy = shapes["policy"]
+    shard = s.world_size if s.sharded else 1
+    value_head = (policy.hidden + 1) if s.uses_critic else 0
+    separate = s.uses_critic and s.separate_critic  # the critic: a copy of the policy (with its adapters)
+    critic = policy.params if separate else 0
+    trainable = policy.trainable + value_head + (policy.trainable if separate else 0)
+    lora_note = "model.lora (adapters only train)" if s.lora is None else "a smaller model.lora.r"
+    terms = [
+        Term(
+            "policy weights",
+            "persistent",
+            (policy.params + value_head + critic) * policy.element_bytes // shard,
+            "model.lora does not shrink it; sharding does (ModelParallelStrategy)",
+        ),
+        Term("optimizer state (AdamW, fp32)", "persistent", 2 * 4 * trainable // shard, f"{lora_note}, or sharding"),
+    ]
+    for name in ("reference", "reward model"):
+        if name in shapes:
+            frozen_shard = shard if s.shard_frozen else 1
+            fix = "model.lora (the reference is then the policy with adapters off), or kl_coef 0"
+            terms.append(
+                Term(
+                    f"{name} weights (frozen)",
+                    "persistent",
+                    shapes[name].weight_bytes // frozen_shard,
+                    fix if name == "reference" else "a smaller reward model, or sharding",
+                )
+            )
+    terms += _phase_terms(s, shapes, trainable, shard)
+    return MemoryPlan(terms, available, s.device)
+
+
+def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int, shard: int) -> list[Term]:
+    policy = shapes["policy"]
+    rows = s.prompts_per_device * s.group_size
+    tokens = s.prompt_tokens + s.new_tokens
+    micro = s.micro_batch_size or max(1, rows // s.num_minibatches)
+    shared = s.share_prompt_forward and s.group_size > 1 and micro % s.group_size == 0
+    prompt_rows = micro // s.group_size if shared else micro
+    activations = activation_bytes(policy, micro, prompt_rows, s.prompt_tokens, s.new_tokens, s.gradient_checkpointing)
+    if s.uses_critic and s.separate_critic:
+        activations *= 2
+    terms = [
+        Term(
+            "KV cache of a rollout",
+            "rollout",
+            kv_cache_bytes(policy, rows, tokens),
+            "data.batch_size, model.algorithm.group_size or model.sampling.max_new_tokens",
+        ),
+        Term("gradients", "update", trainable * policy.element_bytes // shard, "model.lora, or sharding"),
+        Term(
+            f"activations (micro-batch of {micro} rows)",
+            "update",
+            activations,
+            "model.algorithm.micro_batch_size, model.gradient_checkpointing",
+        ),
+    ]
+    if "reference" in shapes or (s.uses_reference and s.lora is not None):
+        logits = rows * (s.new_tokens + 1) * policy.vocab * 4
+        terms.append(Term("reference logits of the rollout", "update", logits, "data.batch_size or group_size"))
+    if s.sharded and shard > 1:
+        gathered = policy.weight_bytes - policy.weight_bytes // shard
+        terms.append(Term("policy unsharded while sampling", "rollout", gathered, "more devices do not shrink it"))
+    return terms
+
+
+SHARDING_STRATEGIES = ("ModelParallelStrategy", "FSDPStrategy")
+
+
+def plan_settings(module: Any, prompts: Any, trainer: Any) -> PlanSettings:
+    """The plan's settings from an `RLHFModule`, what gives its prompts (a `RolloutDataModule` or the
+    `PromptSupply` it handed over: `batch_size`, `max_prompt_length`; None: 1 prompt of 1 token) and a `Trainer`
+    (none of them needs a loaded model)."""
+    algo, hp = module.algorithm, module.hparams
+    strategy = trainer.strategy
+    sharded = any(c.__name__ in SHARDING_STRATEGIES for c in type(strategy).__mro__)
+    device = trainer.strategy.root_device.type
+    return PlanSettings(
+        policy=module.specs.policy,
+        reference=module.specs.reference,
+        reward_model=module.specs.reward_model,
+        lora=hp.get("lora"),
+        uses_critic=algo.uses_critic,
+        uses_reference=algo.uses_reference,
+        separate_critic=bool(hp.get("separate_critic")),
+        gradient_checkpointing=bool(hp.get("gradient_checkpointing")),
+        trust_remote_code=bool(hp.get("trust_remote_code")),
+        prompts_per_device=getattr(prompts, "batch_size", 1),
+        group_size=algo.filled.group_size,
+        num_minibatches=algo.num_minibatches,
+        micro_batch_size=algo.micro_batch_size,
+        share_prompt_forward=algo.share_prompt_forward,
+        prompt_tokens=getattr(prompts, "max_prompt_length", 1),
+        new_tokens=module.sampling.max_new_tokens,
+        world_size=trainer.world_size,
+        sharded=sharded,
+        shard_frozen=getattr(module, "shard_frozen", True),
+        half_precision=str(trainer.precision) in ("bf16-true", "16-true"),
+        device=device,
+        processes_per_host=trainer.num_devices if device == "cpu" else 1,
+    )
+
+
+def available_bytes(device: str, processes_per_host: int = 1) -> int | None:
+    """Free memory per process: CUDA's free memory on the current device; on CPU the host's available RAM
+    (psutil, else /proc/meminfo's MemAvailable) shared by the processes of this host. None: unknown."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    if device != "cpu":
+        return None
+    try:
+        import psutil
+
+        total: int | None = int(psutil.virtual_memory().available)
+    except ImportError:
+        total = _meminfo_available()
+    return None if total is None else total // max(1, processes_per_host)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def fit_memory_check(module: Any, mode: MemoryCheck) -> MemoryPlan | None:
+    """At fit start, before any model loads: plan, print the table on rank 0, and raise a `ConfigError` (mode
+    'error') or warn (mode 'warn') when the plan exceeds the device's free memory. Outside a fit (no Trainer,
+    or validate/test/predict) nothing is planned."""
+    if mode not in ("error", "warn", "off"):
+        raise ConfigError(f"model.memory_check: must be one of 'error', 'warn', 'off', got {mode!r}")
+    trainer = getattr(module, "_trainer", None)
+    if mode == "off" or trainer is None or trainer.state.fn != "fit":
+        return None
+    settings = plan_settings(module, module.prompt_supply, trainer)  # handed over in `setup`
+    plan = plan_memory(settings, available_bytes(settings.device, settings.processes_per_host))
+    from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+    rank_zero_info("memory plan per device (model.memory_check: off skips it):\n" + plan.table())
+    message = plan.refusal()
+    if message is not None and mode == "error":
+        raise ConfigError(message)
+    if message is not None:
+        rank_zero_warn(message)
+    return plan

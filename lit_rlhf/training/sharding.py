@@ -1,0 +1,91 @@
+"""FSDP2 through Lightning's `ModelParallelStrategy`: `fully_shard` on the policy's transformer blocks and root,
+the value head as its own unit, and the frozen models sharded too (`SHARD_FROZEN`, else replicated);
+generation with the policy unsharded once per rollout (`unsharded_for_rollout`), not gathered per decoding step.
+
+Runs on CPU processes with gloo (Lightning 2.6: `ModelParallelStrategy(data_parallel_size=N,
+tensor_parallel_size=1, process_group_backend="gloo")` with `accelerator="cpu"`) and on GPUs with NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from lit_rlhf.config import ConfigError
+
+
+def is_fsdp2(trainer: Any) -> bool:
+    return trainer is not None and type(trainer.strategy).__name__ == "ModelParallelStrategy"
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the longest `nn.ModuleList` in it (`model.layers`, `transformer.h`, ...)."""
+    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise ConfigError(
+            f"trainer.strategy: ModelParallelStrategy shards a model block by block, but {type(model).__name__} "
+            "has no nn.ModuleList of blocks; use strategy: ddp"
+        )
+    sizes = [len(blocks) for blocks in lists]
+    return list(lists[sizes.index(max(sizes))])
+
+
+def shard_model(model: nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def shard_module_models(module: Any, shard_frozen: bool) -> None:
+    """`fully_shard` the policy (blocks, then root), a separate critic the same way, the value head as its own
+    unit, and the frozen reference and reward model when `shard_frozen` (else each rank keeps a full copy). The
+    actor-critic itself is not a unit: sampling runs the policy alone, and FSDP2 wants a unit's first forward to
+    come through its root."""
+    if module.hparams.get("lora") is not None:
+        raise ConfigError(
+            "model.lora: LoRA under ModelParallelStrategy (FSDP2) is not supported yet; use strategy: ddp, or "
+            "full fine-tuning under FSDP2"
+        )
+    if module.device_mesh.ndim > 1 and module.device_mesh["tensor_parallel"].size() > 1:
+        raise ConfigError(
+            "trainer.strategy: ModelParallelStrategy with tensor_parallel_size > 1 is not supported; set "
+            "tensor_parallel_size: 1 (FSDP2 over all devices)"
+        )
+    mesh = module.device_mesh["data_parallel"] if "data_parallel" in module.device_mesh.mesh_dim_names else None
+    actor_critic = module.actor_critic
+    shard_model(actor_critic.policy, mesh)  # a root of its own: sampling calls the policy, not the actor-critic
+    if actor_critic.critic_backbone is not None:
+        shard_model(actor_critic.critic_backbone, mesh)
+    if actor_critic.value_head is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(actor_critic.value_head, mesh=mesh)
+    for frozen in (module.reference, module.reward_model):
+        if frozen is not None and shard_frozen and any(True for _ in frozen.parameters()):
+            shard_model(frozen, mesh)
+
+
+@contextlib.contextmanager
+def unsharded_for_rollout(model: nn.Module) -> Iterator[None]:
+    """Gather every FSDP2 unit of `model` once and keep it gathered until the block ends (sampling's many small
+    forwards would otherwise all-gather and free each block at every decoding step); reshard after."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2: nothing can be sharded
+        units = []
+    else:
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)

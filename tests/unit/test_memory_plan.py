@@ -1,0 +1,107 @@
+"""The memory plan: exact parameter counts from meta-device builds (no weights loaded), which models it counts
+(no reference with LoRA or kl_coef 0), sharding, and the refusal at fit start and in `lit-rlhf-plan`."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from conftest import make_policy, make_trainer
+from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+from lit_rlhf.config import ConfigError
+from lit_rlhf.training import memory_plan
+from lit_rlhf.training.memory_plan import PlanSettings, plan_memory
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
+
+
+def terms(plan) -> dict[str, int]:
+    return {t.name: t.bytes for t in plan.terms}
+
+
+def test_the_plan_counts_the_policy_exactly_without_loading_it():
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    real = sum(p.numel() for p in builtin_policy().parameters())
+    plan = plan_memory(PlanSettings(policy="builtin:digits", uses_reference=True))
+    assert terms(plan)["policy weights"] == real * 4
+    assert terms(plan)["reference weights (frozen)"] == real * 4
+    assert terms(plan)["optimizer state (AdamW, fp32)"] == 2 * 4 * real
+    assert terms(plan)["gradients"] == real * 4
+
+
+def test_lora_counts_the_adapters_and_drops_the_reference():
+    pytest.importorskip("peft")
+    from lit_rlhf.models.lora import apply_lora
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    adapters = sum(p.numel() for p in apply_lora(builtin_policy(), {"r": 4}).parameters() if p.requires_grad)
+    plan = plan_memory(PlanSettings(policy="builtin:digits", lora={"r": 4}, uses_reference=True))
+    assert terms(plan)["optimizer state (AdamW, fp32)"] == 2 * 4 * adapters
+    assert "reference weights (frozen)" not in terms(plan)
+    no_kl = plan_memory(PlanSettings(policy="builtin:digits", uses_reference=False))
+    assert "reference weights (frozen)" not in terms(no_kl) and "reference logits of the rollout" not in terms(no_kl)
+
+
+def test_sharding_divides_weights_gradients_and_optimizer_by_the_world_size():
+    one = terms(plan_memory(PlanSettings(policy="builtin:digits")))
+    two = terms(plan_memory(PlanSettings(policy="builtin:digits", world_size=2, sharded=True)))
+    for name in ("policy weights", "optimizer state (AdamW, fp32)", "gradients", "reference weights (frozen)"):
+        assert two[name] == one[name] // 2, name
+    replicated = PlanSettings(policy="builtin:digits", world_size=2, sharded=True, shard_frozen=False)
+    assert terms(plan_memory(replicated))["reference weights (frozen)"] == one["reference weights (frozen)"]
+    assert "policy unsharded while sampling" in two
+
+
+def test_gradient_checkpointing_and_micro_batches_shrink_the_activations():
+    base = dict(policy="builtin:digits", prompts_per_device=8, group_size=4, prompt_tokens=16, new_tokens=8)
+    full = plan_memory(PlanSettings(**base))
+    key = "activations (micro-batch of 32 rows)"
+    assert terms(plan_memory(PlanSettings(**base, gradient_checkpointing=True)))[key] < terms(full)[key]
+    assert "activations (micro-batch of 8 rows)" in terms(plan_memory(PlanSettings(**base, micro_batch_size=8)))
+
+
+def digits_fit(memory_check: str = "error"):
+    module = RLHFModule(
+        policy="builtin:digits",
+        reward_fns=[REWARD],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2),
+        sampling=SamplingConfig(max_new_tokens=4),
+        memory_check=memory_check,  # type: ignore[arg-type]
+    )
+    return module, RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=8)
+
+
+def test_a_plan_over_the_device_memory_is_refused_at_fit_start_before_any_model_loads(monkeypatch):
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda device, processes=1: 2**20)  # a 1 MiB device
+    module, data = digits_fit()
+    with pytest.raises(ConfigError, match=r"memory plan: .* the largest term is .*model.memory_check: warn"):
+        make_trainer(1).fit(module, data)
+    assert module.actor_critic is None  # refused before anything loaded
+    module, data = digits_fit("warn")
+    with pytest.warns(UserWarning, match="memory plan"):
+        make_trainer(1).fit(module, data)
+    assert module.actor_critic is not None
+
+
+def test_a_plan_that_fits_starts():
+    module, data = digits_fit()
+    make_trainer(1).fit(module, data)
+    assert module.global_step == 1
+
+
+def test_memory_check_must_be_a_known_mode():
+    with pytest.raises(ConfigError, match="model.memory_check: must be one of"):
+        RLHFModule(policy=make_policy(), tokenizer="builtin:digits", reward_fns=[REWARD], memory_check="maybe")  # type: ignore[arg-type]
+
+
+def test_lit_rlhf_plan_prints_the_table_and_refuses_a_small_device(capsys):
+    from lit_rlhf.cli import plan_main
+
+    config = str(ROOT / "configs" / "grpo.yaml")
+    plan_main(["--config", config, "--device-memory-gb", "8"])
+    assert "policy weights" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="lit-rlhf-plan: error: memory plan: .* the largest term is"):
+        plan_main(["--config", config, "--device-memory-gb", "0.001"])

@@ -1,0 +1,83 @@
+"""FSDP2 helpers on a one-process gloo group: generation keeps the policy unsharded for the whole rollout
+(no all-gather per decoding step), and it is resharded afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lit_rlhf.training.sharding import shard_model, transformer_blocks, unsharded_for_rollout
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+
+@pytest.fixture
+def one_process_group():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(next(model.parameters()), DTensor)
+
+
+def test_a_rollout_gathers_once_and_reshards_after(one_process_group):
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    policy = builtin_policy()
+    assert len(transformer_blocks(policy)) == policy.config.n_layer
+    shard_model(policy, None)
+    ids = torch.tensor([[3, 4, 5]])
+    block = transformer_blocks(policy)[0]
+    with torch.no_grad():
+        policy(ids)
+        assert is_sharded(block)  # outside a rollout: each forward frees the gathered weights again
+        with unsharded_for_rollout(policy):
+            for _ in range(3):  # decoding steps
+                policy(ids)
+                assert not is_sharded(block)  # still gathered: the next step gathers nothing
+        assert is_sharded(block)
+
+
+def test_save_policy_of_a_sharded_policy_is_refused(one_process_group, tmp_path):
+    from types import SimpleNamespace
+
+    from lit_rlhf.models.export import ExportError, save_module_policy
+    from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
+
+    policy = builtin_policy()
+    shard_model(policy, None)
+    module = SimpleNamespace(actor_critic=SimpleNamespace(policy=policy), tokenizer=builtin_tokenizer())
+    with pytest.raises(ExportError, match="the policy is sharded .* not supported yet"):
+        save_module_policy(module, str(tmp_path / "policy"))
+    assert not (tmp_path / "policy").exists()
+
+
+def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
+    from types import SimpleNamespace
+
+    from lit_rlhf.config import ConfigError
+    from lit_rlhf.training.sharding import shard_module_models
+
+    with pytest.raises(ConfigError, match="model.lora: LoRA under ModelParallelStrategy"):
+        shard_module_models(SimpleNamespace(hparams={"lora": {"r": 4}}), True)
+
+    class Mesh:
+        ndim = 2
+
+        def __getitem__(self, name):
+            return SimpleNamespace(size=lambda: 2)
+
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported"):
+        shard_module_models(SimpleNamespace(hparams={}, device_mesh=Mesh()), True)
