@@ -8,6 +8,7 @@ without adding special tokens again: a template that writes `{{ bos_token }}` al
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 from lit_rlhf.config import ConfigError
@@ -34,12 +35,35 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> s
             "template; give plain string prompts, or set tokenizer.chat_template"
         )
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        check_generation_prompt(tokenizer, messages, text)
+        return text
     except Exception as err:  # a template may refuse a conversation, e.g. roles that do not alternate
         raise ConfigError(
             f"{where}: the chat template of {tokenizer_name(tokenizer)!r} refused the messages "
             f"({type(err).__name__}: {err}); change the messages to the form the template accepts"
         ) from err
+
+
+CHECKED_TEMPLATES: set[str] = set()
+"""Chat templates already checked for a generation prompt (once per template, not per row)."""
+
+
+def check_generation_prompt(tokenizer: Any, messages: list[dict[str, Any]], text: str) -> None:
+    """Warn (once per template) when the template renders the same text without `add_generation_prompt`: the
+    prompt then ends without the assistant header, and the policy continues the user's turn instead of answering."""
+    template = str(tokenizer.chat_template)
+    if template in CHECKED_TEMPLATES or messages[-1].get("role") == "assistant":
+        return
+    CHECKED_TEMPLATES.add(template)
+    if tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False) == text:
+        warnings.warn(
+            f"the chat template of {tokenizer_name(tokenizer)!r} ignores add_generation_prompt (the same text with "
+            "and without it): if it never adds the assistant's header, the policy continues the user's turn "
+            f"instead of answering. A prompt ends {text[-40:]!r}; check that this is the assistant's header, or use "
+            "a template that adds it under `{% if add_generation_prompt %}`",
+            stacklevel=2,
+        )
 
 
 def content_spans(tokenizer: Any, messages: list[dict[str, Any]], text: str, where: str) -> list[tuple[int, int]]:

@@ -135,7 +135,7 @@ def build_models(
     reward_model = None
     if specs.reward_model is not None:
         reward_model = build_reward_model(specs.reward_model, specs.reward_tokenizer, trust_remote_code)
-        check_shared_tokenizer(reward_model, tokenizer, specs.reward_model)
+        check_shared_tokenizer(reward_model, tokenizer, specs.reward_model, rows)
     return Models(actor_critic, reference, reward_model)
 
 

@@ -90,10 +90,14 @@ def right_padded(rows: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tens
     return input_ids, attention_mask
 
 
-def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: Any, spec: Any = None) -> None:
+def check_shared_tokenizer(
+    reward_model: SequenceRewardModel, policy_tokenizer: Any, spec: Any = None, policy_rows: int | None = None
+) -> None:
     """A reward model without a tokenizer of its own reads the policy's token ids: fail clearly when its
-    vocabulary cannot be the policy's (too small), or when its own tokenizer (in its folder, in the hub cache,
-    or its built-in task's) has another vocabulary or another EOS, where it reads its score."""
+    vocabulary cannot be the policy's (too small), when its own tokenizer (in its folder, in the hub cache, or
+    its built-in task's) has another vocabulary or another EOS, where it reads its score, or, with no tokenizer
+    to compare (an instance), when its vocabulary size is neither the policy tokenizer's nor the policy's
+    embedding rows (`policy_rows`: a padded table)."""
     if reward_model.tokenizer is not None or policy_tokenizer is None or not hasattr(reward_model, "model"):
         return  # (a reward model of its own kind, `follows_reward_protocol`, is not checked here)
     fix = (
@@ -108,6 +112,13 @@ def check_shared_tokenizer(reward_model: SequenceRewardModel, policy_tokenizer: 
         )
     own = reward_model_tokenizer(spec)
     if own is None:
+        if vocab_size is not None and vocab_size not in (len(policy_tokenizer), policy_rows):
+            rows = f" (the policy embeds {policy_rows})" if policy_rows is not None else ""
+            raise ConfigError(
+                f"model.reward_tokenizer: the reward model knows {vocab_size} token ids but the policy's tokenizer "
+                f"has {len(policy_tokenizer)}{rows}: another vocabulary, whose ids cannot be assumed to be the "
+                f"policy's. {fix}"
+            )
         return
     if own.get_vocab() != policy_tokenizer.get_vocab():
         raise ConfigError(

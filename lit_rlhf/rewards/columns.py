@@ -1,34 +1,29 @@
 """Which dataset columns a reward or metric function needs, and a check that every prompt row has them.
 
-A function is called as `fn(prompts, responses, **meta)`, `meta` holding the rows' extra columns. A parameter
-after the first two that has no default (e.g. `answer` in `def exact_answer(prompts, responses, answer, **kw)`)
-is a column the function needs; a row without it would fail mid-training, so `check_columns` refuses it first.
+A function is called as `fn(prompts, responses, **meta)`, `meta` holding the rows' extra columns (or by name,
+see `lit_rlhf.rewards.binding`). A parameter other than the texts (the first two positional ones, or those named
+`prompts`, `responses`, `completions`) that has no default (e.g. `answer` in `def exact_answer(prompts,
+responses, answer, **kw)`) is a column the function needs; a row without it would fail mid-training, so
+`check_columns` refuses it first.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from typing import Any
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.rewards.binding import SignatureError, column_parameters
 from lit_rlhf.rewards.functions import RewardFn, callable_path
-
-NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def required_columns(fn: RewardFn) -> set[str]:
-    """Names of the parameters of `fn`, other than the first two positional ones (prompts, responses), that are
-    passed by keyword and have no default; an empty set when the signature cannot be read."""
+    """Names of the parameters of `fn`, other than those taking the texts, that are passed by keyword and have no
+    default; an empty set when the signature cannot be read (or bound: refused where the function is set up)."""
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
+        return {p.name for p in column_parameters(fn) if p.default is p.empty and p.kind is not p.POSITIONAL_ONLY}
+    except SignatureError:
         return set()
-    positional = [p for p in parameters if p.kind in POSITIONAL][:2]
-    return {
-        p.name for p in parameters if p.kind in NAMED and p.default is inspect.Parameter.empty and p not in positional
-    }
 
 
 def check_columns(

@@ -19,7 +19,15 @@ from torch import Tensor
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.reward_model import SequenceRewardModel
-from lit_rlhf.rewards.functions import RewardError, RewardFn, check_picklable, is_isolated, is_rowwise, own_timeout
+from lit_rlhf.rewards.functions import (
+    RewardError,
+    RewardFn,
+    check_picklable,
+    check_signature,
+    is_isolated,
+    is_rowwise,
+    own_timeout,
+)
 from lit_rlhf.rewards.isolation import ProcessWorkers
 from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls, run_in_processes
 
@@ -67,6 +75,7 @@ class RewardComposer:
             )
         self.isolation = isolation
         for fn in self.reward_fns:
+            check_signature(fn)
             if self.in_process(fn):
                 check_picklable(fn)
         self.processes = ProcessWorkers(max(1, workers))

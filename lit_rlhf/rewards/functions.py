@@ -1,9 +1,10 @@
 """The reward-function contract: import by dotted path, call, and check the answer.
 
 A reward function is any callable `fn(prompts: list[str], responses: list[str], **meta) -> B scores`; `meta`
-holds the extra dataset columns, one list of B values each. The answer must be a list, tuple, 1-D tensor or
-1-D numpy array of exactly B finite real numbers (not bools); anything else is a `RewardError` naming the
-function. In YAML, name it by dotted path: `lit_rlhf.tasks.digits.sort_digits_reward`.
+holds the extra dataset columns, one list of B values each. Its parameters may also be bound by name, ours or
+TRL's (`completions`, ...): `lit_rlhf.rewards.binding` says which forms are accepted. The answer must be a list,
+tuple, 1-D tensor or 1-D numpy array of exactly B finite real numbers (not bools); anything else is a
+`RewardError` naming the function. In YAML, name it by dotted path: `lit_rlhf.tasks.digits.sort_digits_reward`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.rewards.binding import SignatureError, call, form
 from lit_rlhf.rewards.isolation import IsolationError, ProcessWorkers, shared_workers
 
 RewardFn = Callable[..., Any]
@@ -60,8 +62,20 @@ def import_callable(path: str, field: str = "reward_fns") -> RewardFn:
 
 
 def resolve_reward_fns(fns: Sequence[str | RewardFn] | None, field: str = "reward_fns") -> list[RewardFn]:
-    """Callables as given, dotted paths imported (a `ConfigError` naming `field` when one fails)."""
-    return [import_callable(f, field) if isinstance(f, str) else f for f in (fns or [])]
+    """Callables as given, dotted paths imported, their signatures checked (a `ConfigError` naming `field` when
+    one fails)."""
+    resolved = [import_callable(f, field) if isinstance(f, str) else f for f in (fns or [])]
+    for fn in resolved:
+        check_signature(fn, field)
+    return resolved
+
+
+def check_signature(fn: RewardFn, field: str = "reward_fns") -> None:
+    """A `ConfigError` naming `fn` when its parameters cannot be bound (see `lit_rlhf.rewards.binding`)."""
+    try:
+        form(fn)
+    except SignatureError as err:
+        raise ConfigError(f"{field}: {callable_path(fn)} {err}") from err
 
 
 def callable_path(fn: RewardFn) -> str:
@@ -120,7 +134,7 @@ def own_timeout(fn: RewardFn) -> float | None:
 def invoke(fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> Any:
     """`fn`'s raw answer; any exception from it (SystemExit too, not KeyboardInterrupt) as a `RewardError`."""
     try:
-        return fn(prompts, responses, **meta)
+        return call(fn, prompts, responses, meta)
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # user code: sys.exit() in it must not end the run quietly

@@ -1,5 +1,7 @@
 """Worker processes for reward calls that need a hard time limit: a call is sent to a worker process, and one that
-overruns its deadline is killed (SIGKILL) and replaced. Only the standard library here: `lit_rlhf.rewards.functions`
+overruns its deadline is killed (SIGKILL) and replaced. Only the standard library here (and
+`lit_rlhf.rewards.binding`, which binds the parameters as the training process does, also standard library
+only): `lit_rlhf.rewards.functions`
 turns the `IsolationError`s into `RewardError`s naming the function, and checks the scores.
 
 Workers start with the 'forkserver' method where there is one (else 'spawn'), never a plain fork of the training
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
+
+from lit_rlhf.rewards.binding import call
 
 START_TIMEOUT_S = 300.0
 """Seconds a new worker process may take to start (not counted in a call's timeout)."""
@@ -52,7 +56,7 @@ def _serve(conn: Connection) -> None:
             return
         try:
             fn, prompts, responses, meta = pickle.loads(request)
-            reply: tuple[Any, ...] = ("ok", fn(prompts, responses, **meta))
+            reply: tuple[Any, ...] = ("ok", call(fn, prompts, responses, meta))
             payload = pickle.dumps(reply)
         except BaseException as err:  # user code: reported to the parent, which raises a RewardError
             payload = pickle.dumps(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))

@@ -12,13 +12,13 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError, LRSchedule, check_precision
+from lit_rlhf.training.hooks import ManagedHooks
 from lit_rlhf.training.run_folder import RunFolderGuard
 from lit_rlhf.training.state import TrainingState
 
@@ -82,7 +82,7 @@ def total_optimizer_steps(trainer: Any, updates_per_rollout: int) -> int | None:
     return None if math.isinf(rollouts) else int(rollouts) * updates_per_rollout
 
 
-class ManualOptimization(L.LightningModule):
+class ManualOptimization(ManagedHooks):
     """Optimizer and scheduler handling for a module with `algorithm` and `state` (a `TrainingState`), and the
     hyperparameters lr, betas, weight_decay, lr_schedule, warmup_steps and max_consecutive_skips."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 
 from lit_rlhf.training import metrics as logs
 from lit_rlhf.types import Experience
@@ -35,8 +36,17 @@ class StepLogging(L.LightningModule):
         if logs.trainer_writes_logs(self.trainer, self.state.rollouts_done):
             self.log_dict(self.metric_window.values(), on_step=True, sync_dist=True, batch_size=batch_size)
             self.metric_window.clear()
+        self.expose_metrics(metrics)
         every = self.hparams["log_samples_every_n_steps"]
         if every and self.global_rank == 0 and (self.state.rollouts_done - 1) % every == 0:
             scores, group = experience.scores.tolist(), self.algorithm.filled.group_size
             rows = logs.sample_rows(experience.prompts, experience.responses, scores, group)
             logs.write_samples(self.loggers, rows, self.global_step)
+
+    def expose_metrics(self, metrics: dict[str, float]) -> None:
+        """Every metric of this step into the Trainer's callback metrics (this rank's values, a few microseconds),
+        so a `ModelCheckpoint`, `EarlyStopping` or scheduler `monitor` finds any of them on every step, not only
+        on the steps the Trainer writes logs; what `self.log` handed over takes precedence where both have it."""
+        callback_metrics = self.trainer.callback_metrics
+        for name, value in metrics.items():
+            callback_metrics[name] = torch.tensor(value)

@@ -191,6 +191,26 @@ def test_reward_model_with_another_vocabulary_needs_reward_tokenizer(tokenizer, 
     check_shared_tokenizer(build_reward_model(same, None, False), tokenizer, same)
 
 
+def test_reward_model_instance_with_a_larger_vocabulary_needs_reward_tokenizer(tokenizer):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from lit_rlhf.models.reward_model import build_reward_model, check_shared_tokenizer
+
+    def instance(vocab_size):
+        config = GPT2Config(vocab_size=vocab_size, n_positions=32, n_embd=16, n_layer=1, n_head=2, num_labels=1)
+        config.pad_token_id = tokenizer.pad_token_id
+        return GPT2ForSequenceClassification(config)
+
+    n = len(tokenizer)
+    with pytest.raises(
+        ConfigError, match=f"the reward model knows {n + 10} token ids but the policy's tokenizer has {n}"
+    ):
+        check_shared_tokenizer(build_reward_model(instance(n + 10), None, False), tokenizer, None, n)
+    check_shared_tokenizer(build_reward_model(instance(n), None, False), tokenizer, None, n)  # same size: fine
+    check_shared_tokenizer(build_reward_model(instance(n + 10), None, False), tokenizer, None, n + 10)  # padded
+    check_shared_tokenizer(build_reward_model(instance(n + 10), tokenizer, False), tokenizer)  # its own: fine
+
+
 def test_reward_model_with_another_eos_needs_reward_tokenizer(tokenizer):
     from lit_rlhf.models.reward_model import build_reward_model, check_shared_tokenizer
 

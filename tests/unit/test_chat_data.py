@@ -8,6 +8,7 @@ import functools
 import pytest
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.data import chat
 from lit_rlhf.data.chat import encode_chat
 from lit_rlhf.data.prompts import PromptTokenizer
 from lit_rlhf.rewards.columns import check_columns, required_columns
@@ -173,3 +174,14 @@ def test_a_template_that_raises_is_named_with_the_row():
     rows = [{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"role": "system", "content": "a"}]}]
     with pytest.raises(ConfigError, match="data.prompts: row 1: the chat template .* refused .*first turn"):
         PromptTokenizer(tok, 64, "error", "prompt").check_rows(rows, "data.prompts")
+
+
+def test_a_chat_template_that_ignores_add_generation_prompt_gets_a_warning_once(monkeypatch, recwarn):
+    monkeypatch.setattr(chat, "CHECKED_TEMPLATES", set())
+    messages = [{"role": "user", "content": "hi"}]
+    never = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    with pytest.warns(UserWarning, match="ignores add_generation_prompt .* A prompt ends '<|user|>hi\\n'"):
+        encode_chat(char_tokenizer(bos=False, template=never), messages, "row 0")
+    encode_chat(char_tokenizer(bos=False, template=never), messages, "row 1")  # once per template
+    encode_chat(char_tokenizer(bos=True, template=BOS_TEMPLATE), messages, "row 0")  # honours it: no warning
+    assert not [w for w in recwarn.list if "add_generation_prompt" in str(w.message)]
