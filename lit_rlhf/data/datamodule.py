@@ -13,6 +13,8 @@ batches of either kind of source, passes end to end.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -330,7 +332,17 @@ class RolloutDataModule(L.LightningDataModule):
             self._tokenize_with(needs.tokenizer)
         self._check_columns(list(needs.reward_fns), list(needs.metric_fns))
         needs.check_rollout_batch(self.batch_size)
-        return PromptSupply(self.batch_size, self.max_prompt_length, self.refill_batch)
+        return PromptSupply(self.batch_size, self.max_prompt_length, self.refill_batch, self.fingerprint())
+
+    def fingerprint(self) -> str:
+        """The training prompts and their order in a line: the task's name or the rows' hash, the seed, shuffling
+        and the batch size."""
+        if isinstance(self.source, str):
+            source = self.source
+        else:
+            rows = json.dumps(self.source, sort_keys=True, default=repr).encode()
+            source = f"{len(self.source)} rows sha256:{hashlib.sha256(rows).hexdigest()[:16]}"
+        return f"{source}, seed {self.seed}, {'shuffled' if self.shuffle else 'in order'}, batch {self.batch_size}"
 
     def _tokenize_with(self, tokenizer: Any) -> None:
         """Tokenise with `tokenizer` from now on; every finite prompt set is checked with it at once (chat

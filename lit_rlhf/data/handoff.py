@@ -39,3 +39,6 @@ class PromptSupply:
     """The longest prompt a batch can hold, in tokens (`data.max_prompt_length`)."""
     refill_batch: Callable[[int], PromptBatch]
     """`batch_size` rows of this rank's second prompt stream from a row (dynamic sampling's extra prompts)."""
+    fingerprint: str = ""
+    """The prompt set and its order, in a line (its rows' hash or the task's name, seed, shuffling, batch size):
+    a resumed fit compares it with the checkpoint's."""

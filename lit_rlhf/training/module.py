@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lit_rlhf.algorithms.experience import (
     PolicyForward,
@@ -36,7 +36,6 @@ from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, bu
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.models.lora import lora_config
-from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.composer import RewardComposer, RewardIsolation
 from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
 from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
@@ -52,7 +51,7 @@ from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.sharding import is_fsdp2, shard_module_models, unsharded_for_rollout
-from lit_rlhf.training.state import ExactResume, TrainingState
+from lit_rlhf.training.state import ExactResume, ResumeChanges, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
@@ -88,6 +87,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         overlap_scoring: score each rollout on a background thread while phase 3's forwards run (same results).
         memory_check: at fit start, before the models load, plan the memory per device ('error': refuse a plan
             over the free memory; 'warn'; 'off'); see `lit_rlhf.training.memory_plan` and `lit-rlhf-plan`.
+        resume_changes: a resumed fit whose rollouts would differ from the checkpoint's (group size, prompts,
+            rewards, sampling) 'warn's naming each change, or is an 'error'.
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         environment: EnvironmentConfig | None = None,
         overlap_scoring: bool = False,
         memory_check: MemoryCheck = "error",
+        resume_changes: ResumeChanges = "warn",
     ):
         super().__init__()
         self.automatic_optimization = False
@@ -142,8 +144,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         tokenizer = policy if tokenizer is None else tokenizer  # the policy's own by default
         self.tokenizer = load_tokenizer(tokenizer, "model.tokenizer", trust_remote_code)
         self.actor_critic: Any = None  # an ActorCritic once configure_model ran
-        self.reference: nn.Module | None = None
-        self.reward_model: SequenceRewardModel | None = None
+        self.reference, self.reward_model = None, None  # frozen models once configure_model ran (None: not used)
         self.state = TrainingState()
         self.last_update_stats: list[dict[str, float]] = []  # per minibatch, for inspection and tests
         self.step_metrics: dict[str, float] = {}  # the last training step's metrics, this rank's, unaveraged

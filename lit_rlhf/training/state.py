@@ -8,16 +8,19 @@ Stored under `checkpoint["lit_rlhf"]`; everything is a tensor, number or list, s
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 from torch import nn
 
-from lit_rlhf.config import ConfigError
+from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
+from lit_rlhf.data.handoff import PromptSupply
 from lit_rlhf.models.build import ModelSpecs
+from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.functions import RewardError, callable_path, import_callable
 
 CHECKPOINT_KEY = "lit_rlhf"
@@ -225,6 +228,15 @@ def attached_trainer(module: Any) -> Any | None:
         return None
 
 
+ResumeChanges = Literal["warn", "error"]
+"""What a resumed fit does when the rollouts would differ from the checkpoint's (`model.resume_changes`)."""
+
+
+def changed_settings(saved: dict[str, str], now: dict[str, str]) -> list[str]:
+    """'setting: old -> new' for each entry of two rollout fingerprints that differs (absent on either side: none)."""
+    return [f"{key}: {saved[key]} -> {now[key]}" for key in sorted(saved.keys() & now.keys()) if saved[key] != now[key]]
+
+
 class ExactResume(L.LightningModule):
     """A LightningModule whose checkpoints resume exactly and rebuild without arguments: its `state` (a
     `TrainingState`) and every rank's RNG are saved and restored; frozen models named by a folder or hub id are
@@ -234,7 +246,10 @@ class ExactResume(L.LightningModule):
     state: TrainingState
     specs: ModelSpecs
     reference: nn.Module | None
-    reward_model: nn.Module | None
+    reward_model: SequenceRewardModel | None
+    algorithm: AlgorithmConfig
+    sampling: SamplingConfig
+    prompt_supply: PromptSupply | None
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
@@ -273,10 +288,39 @@ class ExactResume(L.LightningModule):
         save_training_state(checkpoint, self.state, self.rebuilt_prefixes(), strategy, world, self.specs.portable())
         # the version a resumed command-line run logs into again (lit_rlhf.cli.ResumingCLI)
         checkpoint[CHECKPOINT_KEY]["logger_version"] = getattr(self.logger, "version", None)
+        checkpoint[CHECKPOINT_KEY]["rollout_fingerprint"] = self.rollout_fingerprint()
+
+    def rollout_fingerprint(self) -> dict[str, str]:
+        """What defines this run's rollouts, setting by setting: group size, sampling, rewards and, with a
+        `RolloutDataModule`, the prompt set; a resume compares it with the checkpoint's."""
+        hp = self.hparams
+        fingerprint = {
+            "model.algorithm.group_size": str(self.algorithm.filled.group_size),
+            "model.sampling": repr(plain(self.sampling)),
+            **{f"model.{key}": repr(hp.get(key)) for key in ("reward_fns", "reward_weights", "reward_model")},
+        }
+        if self.prompt_supply is not None:
+            fingerprint["data.prompts"] = self.prompt_supply.fingerprint
+        return fingerprint
+
+    def check_resumed_rollouts(self, saved: dict[str, str] | None) -> None:
+        """Warn (or raise, `resume_changes: error`) naming each setting that changes the rollouts on resume."""
+        changes = changed_settings(saved or {}, self.rollout_fingerprint())
+        if not changes:
+            return
+        message = (
+            "resuming a checkpoint whose rollouts were made differently: " + "; ".join(changes) + ". The run goes "
+            "on with the new settings; set model.resume_changes: error to refuse such a resume"
+        )
+        if self.hparams.get("resume_changes", "warn") == "error":
+            raise ConfigError(message.replace("The run goes on with the new settings; set", "Restore them, or set"))
+        warnings.warn(message, stacklevel=2)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Put back the frozen weights rebuilt from source, and the counters and RNG states."""
         trainer = attached_trainer(self)  # None in load_from_checkpoint
+        if trainer is not None and trainer.state.fn == "fit":  # a resumed fit, not a load for export
+            self.check_resumed_rollouts(checkpoint.get(CHECKPOINT_KEY, {}).get("rollout_fingerprint"))
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         device = trainer.strategy.root_device if trainer is not None else self.device  # the module is not moved yet
         load_training_state(checkpoint, self.state, self.state_dict(), rank, world, device)
