@@ -22,6 +22,8 @@ KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 SamplingBackend = Literal["lean", "compiled", "generate", "vllm"]
 VLLMMode = Literal["colocate", "server"]
+ResumeChanges = Literal["warn", "error"]
+"""What a resumed fit does when its rollouts would differ from the checkpoint's (`model.resume_changes`)."""
 LRSchedule = Literal["constant", "linear", "cosine"]
 
 _T = TypeVar("_T")
@@ -485,6 +487,11 @@ class SamplingConfig:
         check_bool(self.share_prefill, "sampling.share_prefill")
         if isinstance(self.vllm, Mapping):
             self.vllm = VLLMConfig(**self.vllm)
+        if self.vllm is not None and self.backend != "vllm":
+            raise ConfigError(
+                f"sampling.vllm: set, but sampling.backend is {self.backend!r}, which would ignore it; set "
+                "sampling.backend: vllm, or remove sampling.vllm"
+            )
         if self.compile is not False:
             raise ConfigError(
                 f"sampling.compile: {self.compile!r}; since 0.5.0 the compiled decode loop is a backend of its own: "
@@ -548,6 +555,7 @@ def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig
             "evaluation, set it in model.val_sampling"
         )
     check_bool(a["overlap_scoring"], "model.overlap_scoring")
+    check_choice(a.get("resume_changes", "warn"), ResumeChanges, "model.resume_changes")
     algo = a["algorithm"]  # an AlgorithmConfig, its dict (from a checkpoint) or None
     dynamic = algo.get("dynamic_sampling") if isinstance(algo, Mapping) else getattr(algo, "dynamic_sampling", False)
     for clash, on in (("model.environment", a["environment"] is not None), ("algorithm.dynamic_sampling", dynamic)):

@@ -25,6 +25,7 @@ from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import (
     AlgorithmConfig,
     LRSchedule,
+    ResumeChanges,
     SamplingConfig,
     algorithm_and_sampling,
     check_module_settings,
@@ -51,7 +52,7 @@ from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.sharding import is_fsdp2, shard_module_models, unsharded_for_rollout
-from lit_rlhf.training.state import ExactResume, ResumeChanges, TrainingState
+from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
@@ -87,8 +88,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         overlap_scoring: score each rollout on a background thread while phase 3's forwards run (same results).
         memory_check: at fit start, before the models load, plan the memory per device ('error': refuse a plan
             over the free memory; 'warn'; 'off'); see `lit_rlhf.training.memory_plan` and `lit-rlhf-plan`.
-        resume_changes: a resumed fit whose rollouts would differ from the checkpoint's (group size, prompts,
-            rewards, sampling) 'warn's naming each change, or is an 'error'.
+        resume_changes: 'warn' naming each change, or 'error', when a resume would change the rollouts.
     """
 
     def __init__(

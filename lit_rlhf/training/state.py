@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
@@ -226,10 +226,6 @@ def attached_trainer(module: Any) -> Any | None:
         return module.trainer
     except RuntimeError:
         return None
-
-
-ResumeChanges = Literal["warn", "error"]
-"""What a resumed fit does when the rollouts would differ from the checkpoint's (`model.resume_changes`)."""
 
 
 def changed_settings(saved: dict[str, str], now: dict[str, str]) -> list[str]:

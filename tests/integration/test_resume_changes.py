@@ -57,3 +57,8 @@ def test_resume_changes_error_refuses_it_and_an_unchanged_resume_is_silent(tmp_p
         warnings.simplefilter("always")
         fit(tmp_path, steps=2, ckpt_path=last, resume_changes="error")
     assert not [w for w in caught if "made differently" in str(w.message)]
+
+
+def test_resume_changes_is_checked():
+    with pytest.raises(ConfigError, match="model.resume_changes: unknown value 'ignore'"):
+        RLHFModule(policy=make_policy(), tokenizer=builtin_tokenizer(), reward_fns=[REWARD], resume_changes="ignore")

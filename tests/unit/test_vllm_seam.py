@@ -120,6 +120,8 @@ def test_vllm_settings_are_checked():
         VLLMConfig(kv_cache_gib=0.5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="algorithm.tis_cap: must be >= 1"):
         AlgorithmConfig(tis_cap=0.5)
+    with pytest.raises(ConfigError, match="sampling.vllm: set, but sampling.backend is 'lean', which would ignore"):
+        SamplingConfig(vllm={"mode": "server"})
 
 
 def test_the_in_process_samplers_log_probs_are_the_trainers(tokenizer):
