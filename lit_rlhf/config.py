@@ -409,7 +409,6 @@ class AlgorithmConfig:
             )
 
 
-@refuses_trl_names("model.sampling")
 @dataclass
 class VLLMConfig:
     """The vLLM rollout backend (`sampling.backend: vllm`; `pip install -e ".[vllm]"`, docs/vllm.md)."""
@@ -448,6 +447,7 @@ class VLLMConfig:
             raise _must("sampling.vllm.server_url", self.server_url, "an http:// or https:// address", "")
 
 
+@refuses_trl_names("model.sampling")
 @dataclass
 class SamplingConfig:
     """How responses are sampled from the policy."""
