@@ -40,6 +40,8 @@ from lit_rlhf.rollout.producer import ProducedRollout, RolloutJob, RolloutProduc
 from lit_rlhf.rollout.scoring import thread_state
 from lit_rlhf.types import PromptBatch, Rollout
 
+CLOSE_TIMEOUT_S = 120.0
+"""How long the end of fit waits for the producer's running job (a backend call has its own timeout too)."""
 SEED_STRIDE = 1_000_003
 """Rollout m of rank r draws from seed `base + r * SEED_STRIDE + m` (a prime stride keeps ranks apart)."""
 
@@ -200,7 +202,15 @@ class AsyncRollouts:
                 self.producer.put(produced_from_record(record))
 
     def close(self) -> None:
-        self.producer.close()
+        """End the producer (its running job finishes first, for up to `CLOSE_TIMEOUT_S`) and the backend."""
+        self.producer.close(CLOSE_TIMEOUT_S)
+        if self.producer.alive:
+            warnings.warn(
+                f"asynchronous rollouts: the producer's last job did not finish within {CLOSE_TIMEOUT_S} s of the "
+                "end of fit; its daemon thread is left to end with it",
+                stacklevel=2,
+            )
+            return  # the job still uses the backend
         self.backend.close()
 
 

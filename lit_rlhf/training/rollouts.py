@@ -199,11 +199,29 @@ class Rollouts(L.LightningModule):
             )
         return self.prompt_supply
 
-    def teardown(self, stage: str) -> None:
+    def configure_callbacks(self) -> Any:
+        inherited = super().configure_callbacks()
+        assert isinstance(inherited, list)  # LightningModule's own: []
+        return [*inherited, CloseRollouts()]
+
+    def close_rollouts(self) -> None:
+        """Stop the asynchronous sampler and close every backend (at teardown, or when fit fails)."""
         if self._async is not None:
             self._async.close()
             self._async = None
         for backend, _ in self._backends.values():
             backend.close()
         self._backends.clear()
+
+    def teardown(self, stage: str) -> None:
+        self.close_rollouts()
         super().teardown(stage)
+
+
+class CloseRollouts(L.Callback):
+    """Lightning runs no module `teardown` when fit fails: the producer thread and the backends are closed here
+    then (after the `RunFolderGuard`'s SIGTERM checkpoint, which keeps the rollouts in flight)."""
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(pl_module, Rollouts):
+            pl_module.close_rollouts()
