@@ -62,6 +62,10 @@ class RolloutProducer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
     def known(self) -> set[int]:
         """The numbers of every job queued, running or finished and not taken yet."""
         with self._changed:

@@ -190,6 +190,18 @@ class AsyncRollouts:
         self.producer = RolloutProducer(self.work)
         return self.take(prompts, step, policy_version)
 
+    def evaluation_backend(self) -> RolloutBackend:
+        """The sampler's backend with the live policy's weights, for held-out evaluation while the producer is
+        paused; its next job loads its own weights again."""
+        if not self.producer.paused:
+            raise RuntimeError(
+                "asynchronous rollouts: held-out evaluation during fit runs only while the producer is paused"
+            )
+        load_weights(self.sampler, trainable_weights(self.policy))
+        self.backend.sync_weights(self.sampler)
+        self.synced_version = -1
+        return self.backend
+
     def in_flight(self) -> list[dict[str, Any]]:
         """Every rollout queued, running or finished and not taken, finished now, as checkpoint records."""
         return [produced_record(p) for p in self.producer.settle()]

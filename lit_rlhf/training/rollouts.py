@@ -20,7 +20,7 @@ from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn
-from lit_rlhf.rollout.backends.base import BackendContext, RolloutBackend
+from lit_rlhf.rollout.backends.base import BackendContext, InProcessBackend, RolloutBackend
 from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.collect import Collector, RolloutSettings, RolloutTimings, SingleTurnCollector
 from lit_rlhf.rollout.dynamic import dynamic_rollout, refill_source
@@ -96,6 +96,8 @@ class Rollouts(L.LightningModule):
     def backend(self, sampling: SamplingConfig) -> RolloutBackend:
         """The backend `sampling.backend` names (one per name), synced to the policy's current version."""
         name, policy, version = sampling.backend, self.actor_critic.policy, self.state.policy_version
+        if self._async is not None and name == self.rollout_settings.sampling.backend:
+            return self._async.evaluation_backend()  # one engine per process: the paused sampler's
         if name not in self._backends:
             eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
             context = BackendContext(policy, eos, pad, sampling, global_rank=self.global_rank)
@@ -162,9 +164,12 @@ class Rollouts(L.LightningModule):
     def sampler_collector(self, sampler: nn.Module, generator: torch.Generator) -> tuple[RolloutBackend, Collector]:
         """The asynchronous sampler's backend over its own copy of the policy and random stream, and a collector
         with its own tokenizer (the training thread keeps using the module's)."""
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        context = BackendContext(sampler, eos, pad, self.rollout_settings.sampling, generator, self.global_rank)
-        backend = make_backend(context)
+        eos, pad, sampling = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rollout_settings.sampling
+        backend, _ = self._backends.get(sampling.backend, (None, 0))
+        if backend is None or isinstance(backend, InProcessBackend):  # those sample the module they were given
+            backend = make_backend(BackendContext(sampler, eos, pad, sampling, generator, self.global_rank))
+        else:  # an engine (or a server's client) of its own, e.g. from the sanity check: one per process, kept
+            del self._backends[sampling.backend]
         return backend, self.collector(self.rollout_settings, backend, copy.deepcopy(self.tokenizer))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

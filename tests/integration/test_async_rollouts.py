@@ -109,6 +109,30 @@ def test_each_step_trains_the_synchronous_prompts_sampled_k_updates_earlier(k):
     assert not producer_threads()  # rollouts still queued at the end of fit: dropped, the thread is gone
 
 
+def test_held_out_evaluation_during_fit_answers_with_the_live_weights():
+    """Validation at the end of the last step shares the producer's (paused) sampler, which holds older weights
+    for the rollouts it sampled ahead: it must answer with the weights of that moment, as a later `validate`
+    does."""
+    module, _ = module_and_data(1, metric_fns=[REWARD])
+    data = RolloutDataModule(
+        prompts="builtin:digits", batch_size=2, max_prompt_length=16, val_prompts="builtin:digits", val_size=20
+    )
+    data.rollouts_per_epoch = 3
+    answered_with: list[tuple[str, str]] = []
+
+    class SamplerWeights(Callback):
+        def on_validation_batch_end(self, trainer, pl_module, *args):
+            if trainer.training or pl_module._async is not None:  # during fit (not the `validate` below)
+                answered_with.append((checksum(pl_module._async.sampler), checksum(pl_module.actor_critic.policy)))
+
+    trainer = make_trainer(3, num_sanity_val_steps=0, callbacks=[SamplerWeights()])
+    trainer.fit(module, data)
+    assert answered_with and all(sampler == live for sampler, live in answered_with)
+    during = float(trainer.callback_metrics["val/sort_digits_reward"])
+    after = trainer.validate(module, data, verbose=False)[0]["val/sort_digits_reward"]
+    assert during == pytest.approx(after, abs=1e-6)
+
+
 class Interrupt(Exception):
     pass
 
