@@ -72,10 +72,12 @@ def test_jobs_run_one_at_a_time_in_order_and_are_taken_by_number():
 
 
 def test_a_job_error_is_raised_by_take_with_its_type_and_the_thread_ends():
-    producer = RolloutProducer(Recorder(fail_at=1))
-    producer.submit(job(0))
-    producer.submit(job(1))
-    producer.submit(job(2))
+    work = Recorder(fail_at=1)
+    work.gate.clear()  # all three queued before any runs
+    producer = RolloutProducer(work)
+    for i in range(3):
+        producer.submit(job(i))
+    work.gate.set()
     assert int(producer.take(0).rollout.scores) == 0
     with pytest.raises(KeyError, match="reward column missing in rollout 1"):
         producer.take(1)
