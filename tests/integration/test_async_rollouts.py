@@ -264,3 +264,16 @@ def test_max_staleness_fills_in_the_tis_cap_and_is_checked():
     assert AlgorithmConfig(name="grpo").tis_cap is None
     with pytest.raises(ConfigError, match="algorithm.max_staleness"):
         AlgorithmConfig(name="grpo", max_staleness=-1)
+
+
+def test_async_under_fsdp2_is_refused_naming_the_strategy():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module, _ = module_and_data(1)
+    module.prompt_supply = object()  # a RolloutDataModule's supply: only FSDP2 is in the way
+    trainer = SimpleNamespace(strategy=ModelParallelStrategy())
+    with pytest.raises(ConfigError, match=r"ModelParallelStrategy \(FSDP2\) shards"):
+        module.check_async_fit(trainer)
+    module.check_async_fit(SimpleNamespace(strategy=L.pytorch.strategies.DDPStrategy()))
