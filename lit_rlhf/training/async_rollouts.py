@@ -138,26 +138,25 @@ class AsyncRollouts:
 
     # ---------------------------------------------------------------- the training thread
 
-    def job(self, index: int, prompts: PromptBatch, step: int, policy_version: int) -> RolloutJob:
-        """Rollout `index` of `prompts`, to be sampled with the policy's weights now (after `step` rollouts)."""
+    def job(self, index: int, prompts: PromptBatch, weights: dict[str, Tensor], step: int, version: int) -> RolloutJob:
+        """Rollout `index` of `prompts`, to be sampled with `weights`, the policy's after `step` rollouts."""
         refills: list[PromptBatch] = []
         if self.settings.dynamic is not None:  # read on this thread: the DataModule's tokenizer is not thread-safe
             rounds, size = self.settings.dynamic[1], self.supply.batch_size
             refills = [self.supply.refill_batch(refill_position(index + 1, j, rounds, size)) for j in range(1, rounds)]
-        return RolloutJob(index, prompts, trainable_weights(self.policy), step, policy_version, refills)
+        return RolloutJob(index, prompts, weights, step, version, refills)
 
     def take(self, prompts: PromptBatch, step: int, policy_version: int) -> tuple[Rollout, RolloutTimings]:
         """The rollout of training step `step` (0-based) on `prompts`, after queueing the rollouts up to
         `step + max_staleness` (their prompts read ahead) with the current weights."""
         start = time.perf_counter()
         k, known = self.settings.max_staleness, self.producer.known()
-        if step not in known:
-            self.producer.submit(self.job(step, prompts, step, policy_version))
-        if any(index not in known for index in range(step + 1, step + k + 1)):
-            ahead = self.supply.batches_after(prompts.position, k)
-            for index, batch in enumerate(ahead, start=step + 1):
-                if index not in known:
-                    self.producer.submit(self.job(index, batch, step, policy_version))
+        missing = [index for index in range(step, step + k + 1) if index not in known]
+        if missing:  # one copy of the current weights for every job made now
+            weights = trainable_weights(self.policy)
+            batches = [prompts, *self.supply.batches_after(prompts.position, k)]  # steps step .. step + k
+            for index in missing:
+                self.producer.submit(self.job(index, batches[index - step], weights, step, policy_version))
         produced = self.producer.take(step)
         if produced.prompt_texts != list(prompts.texts):
             return self.restart(prompts, step, policy_version)
