@@ -50,18 +50,32 @@ def test_a_rollout_gathers_once_and_reshards_after(one_process_group):
         assert is_sharded(block)
 
 
-def test_save_policy_of_a_sharded_policy_is_refused(one_process_group, tmp_path):
+def test_save_policy_of_a_sharded_policy_gathers_a_folder_plain_transformers_loads(one_process_group, tmp_path):
     from types import SimpleNamespace
 
-    from lit_rlhf.models.export import ExportError, save_module_policy
+    from transformers import AutoModelForCausalLM
+
+    from lit_rlhf.models.export import save_module_policy
     from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 
     policy = builtin_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        expected = policy(ids).logits
     shard_model(policy, None)
+    assert is_sharded(policy) and type(policy).__name__.startswith("FSDP")
     module = SimpleNamespace(actor_critic=SimpleNamespace(policy=policy), tokenizer=builtin_tokenizer())
-    with pytest.raises(ExportError, match="the policy is sharded .* not supported yet"):
-        save_module_policy(module, str(tmp_path / "policy"))
-    assert not (tmp_path / "policy").exists()
+    path = save_module_policy(module, str(tmp_path / "policy"))
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert type(loaded).__name__ == "GPT2LMHeadModel"  # not the FSDP class
+    assert loaded.config.architectures == ["GPT2LMHeadModel"]
+    assert sorted(loaded.state_dict()) == sorted(before)
+    assert all(torch.equal(loaded.state_dict()[k], before[k]) for k in before)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected)
+    assert is_sharded(policy)  # the live policy stays sharded
 
 
 def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
@@ -81,3 +95,16 @@ def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
 
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported"):
         shard_module_models(SimpleNamespace(hparams={}, device_mesh=Mesh()), True)
+
+
+def test_atomic_checkpoint_io_with_distributed_checkpoints_is_refused():
+    from types import SimpleNamespace
+
+    from lit_rlhf.config import ConfigError
+    from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
+    from lit_rlhf.training.sharding import check_checkpoint_writer
+
+    with pytest.raises(ConfigError, match="save_distributed_checkpoint: false"):
+        check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=AtomicCheckpointIO()))
+    check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=False, checkpoint_io=AtomicCheckpointIO()))
+    check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=None))
