@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lit_rlhf import AlgorithmConfig, AtomicCheckpointIO, RLHFModule, RolloutDataModule, SamplingConfig, SavePolicy  # noqa: E402
+from lit_rlhf.config import ConfigError  # noqa: E402
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 
@@ -49,6 +50,20 @@ class SaveInitial(L.Callback):
             torch.save(state, self.path)
 
 
+def validate(trainer: L.Trainer, module: RLHFModule) -> dict:
+    """Held-out answers on 4 prompts (2 batches of 1 per rank), then on 3 (2 batches on rank 0, 1 on rank 1:
+    refused under FSDP2, where each batch gathers the policy)."""
+    out: dict = {}
+    for prompts in (["312>", "9051>", "77>", "4820>"], ["312>", "9051>", "77>"]):
+        data = RolloutDataModule(prompts="builtin:digits", val_prompts=prompts, val_batch_size=1, max_prompt_length=16)
+        try:
+            (metrics,) = trainer.validate(module, datamodule=data, verbose=False)
+            out[str(len(prompts))] = {"val/reward_mean": metrics["val/reward_mean"]}
+        except ConfigError as err:
+            out[str(len(prompts))] = {"error": str(err)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", choices=("fsdp2", "ddp"), required=True)
@@ -59,6 +74,7 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="save a checkpoint after every step into this folder")
     parser.add_argument("--resume", help="a checkpoint to resume from")
     parser.add_argument("--export", help="a SavePolicy folder")
+    parser.add_argument("--validate", action="store_true", help="after the fit, validate on 4 prompts, then on 3")
     parser.add_argument("--full-checkpoints", action="store_true", help="FSDP2: full checkpoints, AtomicCheckpointIO")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -106,7 +122,9 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     if trainer.global_rank == 0:
         torch.save(state, os.path.join(args.out, f"{tag}.pt"))
-    record = {"seconds": seconds, "global_step": trainer.global_step}
+    record: dict = {"seconds": seconds, "global_step": trainer.global_step}
+    if args.validate:
+        record["validate"] = validate(trainer, module)
     with open(os.path.join(args.out, f"{tag}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
 

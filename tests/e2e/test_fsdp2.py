@@ -2,7 +2,8 @@
 sharded reference and PPO with a sharded value head, 3 steps each, give the weights of DDP on the same two
 processes (same prompts per rank, same sampling streams) within float tolerance; the `SavePolicy` export and
 `lit-rlhf-export` of a distributed checkpoint folder load in plain transformers with the trained weights; a run
-resumed from the distributed checkpoint of step 2 ends with the weights of the uninterrupted run, bit for bit.
+resumed from the distributed checkpoint of step 2 ends with the weights of the uninterrupted run, bit for bit, and
+then answers held-out prompts (uneven batch counts over the ranks are refused).
 
 The fits run in `tests/e2e/fsdp2_run.py`, one process per rank, as `test_ddp.py` runs `ddp_run.py`.
 """
@@ -110,9 +111,13 @@ def test_the_export_and_lit_rlhf_export_of_a_distributed_checkpoint_hold_the_tra
 
 def test_a_resume_from_a_distributed_checkpoint_is_exact(grpo_run):
     step2 = grpo_run / "checkpoints" / "epoch=0-step=2.ckpt"
-    run("fsdp2", grpo_run, "--resume", str(step2), "--tag", "resumed")
+    run("fsdp2", grpo_run, "--resume", str(step2), "--tag", "resumed", "--validate")
     full, resumed = torch.load(grpo_run / "fsdp2.pt"), torch.load(grpo_run / "resumed.pt")
     assert sorted(full) == sorted(resumed)
     assert all(torch.equal(full[k], resumed[k]) for k in full)  # same data position, RNG streams and optimizer
     for rank in (0, 1):
-        assert json.loads((grpo_run / f"resumed_rank{rank}.json").read_text())["global_step"] == 3
+        record = json.loads((grpo_run / f"resumed_rank{rank}.json").read_text())
+        assert record["global_step"] == 3
+        # then held-out answers, each batch gathering the policy once: 2 batches per rank work, 2 and 1 are refused
+        assert 0.0 <= record["validate"]["4"]["val/reward_mean"] <= 1.0
+        assert "the ranks have [2, 1]" in record["validate"]["3"]["error"]

@@ -108,3 +108,49 @@ def test_atomic_checkpoint_io_with_distributed_checkpoints_is_refused():
         check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=AtomicCheckpointIO()))
     check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=False, checkpoint_io=AtomicCheckpointIO()))
     check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=None))
+
+
+def test_held_out_generation_gathers_each_unit_once_per_batch(one_process_group, monkeypatch):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from lit_rlhf import RLHFModule, SamplingConfig
+
+    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"])
+    module.configure_model()
+    shard_model(module.actor_critic.policy, None)
+    gathers = []
+    unshard = FSDPParamGroup.unshard
+
+    def counting_unshard(group, *args, **kwargs):
+        if not group.is_unsharded:
+            gathers.append(group)
+        return unshard(group, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counting_unshard)
+    sampling = SamplingConfig(max_new_tokens=6)
+    assert len(module.generate(["312>", "90>"], sampling=sampling)) == 2
+    # one all-gather per unit (2 blocks + the root) for the whole batch, not one per unit and decoding step
+    assert len(gathers) == module.actor_critic.policy.config.n_layer + 1
+    assert is_sharded(transformer_blocks(module.actor_critic.policy)[0])  # resharded after
+
+
+def test_uneven_held_out_batches_under_fsdp2_are_refused_on_every_rank():
+    from types import SimpleNamespace
+
+    from lit_rlhf import RLHFModule
+    from lit_rlhf.config import ConfigError
+
+    class ModelParallelStrategy:  # what `is_fsdp2` recognises; all_gather returns both ranks' counts
+        def __init__(self, other: int):
+            self.other = other
+
+        def all_gather(self, mine):
+            return torch.stack([mine, torch.tensor(self.other)])
+
+    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"])
+    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy(other=2), world_size=2)
+    with pytest.raises(ConfigError, match=r"data.val_prompts: .* the ranks have \[3, 2\]"):
+        module.check_even_held_out_batches([3], "val")
+    module.check_even_held_out_batches([2], "val")  # as many batches on each rank
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(), world_size=2)  # DDP: no collective per batch
+    module.check_even_held_out_batches([3], "val")
