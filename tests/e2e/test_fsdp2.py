@@ -3,7 +3,8 @@ sharded reference and PPO with a sharded value head, 3 steps each, give the weig
 processes (same prompts per rank, same sampling streams) within float tolerance; the `SavePolicy` export and
 `lit-rlhf-export` of a distributed checkpoint folder load in plain transformers with the trained weights; a run
 resumed from the distributed checkpoint of step 2 ends with the weights of the uninterrupted run, bit for bit, and
-then answers held-out prompts (uneven batch counts over the ranks are refused).
+then answers held-out prompts (uneven batch counts over the ranks are refused); so does one resumed from a full
+checkpoint file written by `AtomicCheckpointIO` (`save_distributed_checkpoint=False`).
 
 The fits run in `tests/e2e/fsdp2_run.py`, one process per rank, as `test_ddp.py` runs `ddp_run.py`.
 """
@@ -121,3 +122,17 @@ def test_a_resume_from_a_distributed_checkpoint_is_exact(grpo_run):
         # then held-out answers, each batch gathering the policy once: 2 batches per rank work, 2 and 1 are refused
         assert 0.0 <= record["validate"]["4"]["val/reward_mean"] <= 1.0
         assert "the ranks have [2, 1]" in record["validate"]["3"]["error"]
+
+
+def test_full_checkpoints_written_by_atomic_checkpoint_io_resume_exactly(grpo_run, tmp_path):
+    """`save_distributed_checkpoint: false`: each save gathers a full checkpoint that `AtomicCheckpointIO` writes as
+    one file; a run of 2 steps resumed from its step-2 file ends with the 3-step run's weights, bit for bit."""
+    checkpoints = tmp_path / "checkpoints"
+    options = ["--full-checkpoints", "--checkpoints", str(checkpoints)]
+    run("fsdp2", tmp_path, *options, "--rollouts", "2", "--tag", "first")
+    step2 = checkpoints / "epoch=0-step=2.ckpt"
+    assert step2.is_file() and sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=1.ckpt", step2.name]
+    run("fsdp2", tmp_path, "--full-checkpoints", "--resume", str(step2), "--tag", "resumed")
+    full, resumed = torch.load(grpo_run / "fsdp2.pt"), torch.load(tmp_path / "resumed.pt")
+    assert sorted(full) == sorted(resumed)
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
