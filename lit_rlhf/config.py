@@ -21,6 +21,10 @@ RatioLevel = Literal["token", "sequence", "sequence_token"]
 KLEstimator = Literal["k1", "k2", "k3", "full"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 SamplingBackend = Literal["lean", "compiled", "generate", "vllm"]
+ASYNC_BACKENDS = ("lean", "vllm")
+"""The backends that can sample on a background thread (`algorithm.max_staleness` > 0): their own random stream."""
+ASYNC_TIS_CAP = 2.0
+"""`algorithm.tis_cap` when `max_staleness` > 0 leaves it unset (Yao et al. 2025's usual cap)."""
 VLLMMode = Literal["colocate", "server"]
 ResumeChanges = Literal["warn", "error"]
 """What a resumed fit does when its rollouts would differ from the checkpoint's (`model.resume_changes`)."""
@@ -236,6 +240,11 @@ class AlgorithmConfig:
     """Truncated importance sampling against the sampler: each token's policy loss is weighted by
     min(pi_old / pi_sampler, tis_cap), pi_sampler being the rollout backend's own log-probs (an engine such as vLLM;
     with the in-process samplers the two are the same model, so the weight is 1). None: off; 2 is usual."""
+    max_staleness: int = 0
+    """Asynchronous rollouts: sample up to this many rollouts ahead, on a background thread, while the update runs;
+    rollout n is sampled with the weights after update n - max_staleness at the latest, and corrected towards the
+    current policy by `tis_cap` (filled in as 2.0 when unset). 0: sample, then update, one after the other
+    (docs/async.md)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose scores all tie (exactly equal: zero group advantage) and sample
     more prompts until the batch is full again (group estimators only; docs/design.md#dynamic-sampling)."""
@@ -274,6 +283,9 @@ class AlgorithmConfig:
             fix="0.2 is usual; None trains on every token",
         )
         check_float(self.tis_cap, "algorithm.tis_cap", 1, optional=True, fix="2.0 is usual; None turns it off")
+        check_int(self.max_staleness, "algorithm.max_staleness", 0, fix="0: synchronous; 1 overlaps one rollout")
+        if self.max_staleness and self.tis_cap is None:  # stale rollouts are always corrected
+            self.tis_cap = ASYNC_TIS_CAP
         self._check_dynamic_sampling()
 
     def _check_dynamic_sampling(self) -> None:
@@ -557,6 +569,7 @@ def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig
     check_bool(a["overlap_scoring"], "model.overlap_scoring")
     check_choice(a.get("resume_changes", "warn"), ResumeChanges, "model.resume_changes")
     algo = a["algorithm"]  # an AlgorithmConfig, its dict (from a checkpoint) or None
+    check_async_settings(algo or {}, sampling, a["overlap_scoring"])
     dynamic = algo.get("dynamic_sampling") if isinstance(algo, Mapping) else getattr(algo, "dynamic_sampling", False)
     for clash, on in (("model.environment", a["environment"] is not None), ("algorithm.dynamic_sampling", dynamic)):
         if a["overlap_scoring"] and on:
@@ -565,6 +578,25 @@ def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig
                 "sampling goes on (tied groups to refill, or the environment's next turn), so there is nothing to "
                 f"overlap; set model.overlap_scoring: false, or turn {clash} off"
             )
+
+
+def check_async_settings(algorithm: Any, sampling: SamplingConfig, overlap_scoring: bool) -> None:
+    """`algorithm.max_staleness` > 0 with the settings it cannot run beside (`algorithm`: the config or its dict)."""
+    staleness = algorithm.get("max_staleness", 0) if isinstance(algorithm, Mapping) else algorithm.max_staleness
+    if not staleness:
+        return
+    if sampling.backend not in ASYNC_BACKENDS:
+        raise ConfigError(
+            f"model.sampling.backend: {sampling.backend!r} cannot sample on the background thread that "
+            f"algorithm.max_staleness: {staleness} needs ('generate' draws from the global random stream the update "
+            f"also uses; 'compiled' is not supported there); use one of {', '.join(map(repr, ASYNC_BACKENDS))}, "
+            "or max_staleness: 0"
+        )
+    if overlap_scoring:
+        raise ConfigError(
+            f"model.overlap_scoring: true with algorithm.max_staleness: {staleness}: the background thread already "
+            "scores each rollout while the update runs; set model.overlap_scoring: false"
+        )
 
 
 def check_precision(precision: str) -> None:

@@ -136,17 +136,22 @@ SAMPLER_DIFF_THRESHOLD = 0.1
 
 
 def sampler_metrics(exp: Experience) -> dict[str, float]:
-    """How far the rollout backend's log-probs are from the trainer's (an engine of its own, e.g. vLLM): mean and
-    max |log pi_old - log pi_sampler| over the policy's tokens, and the share over `SAMPLER_DIFF_THRESHOLD`
-    (none with the in-process samplers, which are the trainer's model)."""
+    """How far the sampler's log-probs are from the trainer's (an engine of its own such as vLLM, or a stale copy
+    of the policy with asynchronous rollouts): mean and max |log pi_old - log pi_sampler| over the policy's tokens,
+    the share over `SAMPLER_DIFF_THRESHOLD`, and the importance weights pi_old / pi_sampler before any cap (mean,
+    min, max); none with the synchronous in-process samplers, which are the trainer's model."""
     if exp.sampler_logprobs is None:
         return {}
     mask = exp.response_mask
-    diff = (exp.old_logprobs - exp.sampler_logprobs).abs()[mask]
-    if diff.numel() == 0:
+    log_ratio = (exp.old_logprobs - exp.sampler_logprobs)[mask]
+    if log_ratio.numel() == 0:
         return {}
+    diff, weight = log_ratio.abs(), log_ratio.exp()
     return {
         "sampler/logprob_diff_mean": float(diff.mean()),
         "sampler/logprob_diff_max": float(diff.max()),
         f"sampler/frac_diff_over_{SAMPLER_DIFF_THRESHOLD}": float((diff > SAMPLER_DIFF_THRESHOLD).float().mean()),
+        "sampler/is_weight_mean": float(weight.mean()),
+        "sampler/is_weight_min": float(weight.min()),
+        "sampler/is_weight_max": float(weight.max()),
     }

@@ -126,10 +126,15 @@ class PromptBatches:
             index = max(index, floor * self.batches_per_epoch)
         end = (index // self.batches_per_epoch + 1) * self.batches_per_epoch
         for i in range(index, end):
-            batch = self.to_batch(self.prompts.rows(self.position(i), self.batch_size))
-            batch.position = self.position(i + 1)
+            batch = self.at(i)
             self.prompts.rows_consumed = batch.position
             yield batch
+
+    def at(self, index: int) -> PromptBatch:
+        """Batch `index` (counted over all epochs), stamped with the stream position after it; moves nothing."""
+        batch = self.to_batch(self.prompts.rows(self.position(index), self.batch_size))
+        batch.position = self.position(index + 1)
+        return batch
 
 
 class HeldOutBatches:
@@ -332,7 +337,9 @@ class RolloutDataModule(L.LightningDataModule):
             self._tokenize_with(needs.tokenizer)
         self._check_columns(list(needs.reward_fns), list(needs.metric_fns))
         needs.check_rollout_batch(self.batch_size)
-        return PromptSupply(self.batch_size, self.max_prompt_length, self.refill_batch, self.fingerprint())
+        return PromptSupply(
+            self.batch_size, self.max_prompt_length, self.refill_batch, self.batches_after, self.fingerprint()
+        )
 
     def fingerprint(self) -> str:
         """The training prompts and their order in a line: the task's name or the rows' hash, the seed, shuffling
@@ -406,6 +413,15 @@ class RolloutDataModule(L.LightningDataModule):
         return PromptBatches(
             self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch, self._current_epoch
         )
+
+    def batches_after(self, position: int, count: int) -> list[PromptBatch]:
+        """The `count` training batches that follow the one stamped with stream position `position`, as
+        `train_dataloader` will yield them (asynchronous rollouts sample them ahead); reading them moves nothing."""
+        if self.stream is None or self.prompt_tokenizer is None:
+            raise self._tokenizer_missing("batches_after")
+        batches = PromptBatches(self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch)
+        first = batches.batch_index(position)
+        return [batches.at(index) for index in range(first, first + count)]
 
     def refill_batch(self, start: int) -> PromptBatch:
         """`batch_size` rows of this rank's refill stream from row `start` (dynamic sampling's extra prompts,

@@ -39,6 +39,9 @@ class PromptSupply:
     """The longest prompt a batch can hold, in tokens (`data.max_prompt_length`)."""
     refill_batch: Callable[[int], PromptBatch]
     """`batch_size` rows of this rank's second prompt stream from a row (dynamic sampling's extra prompts)."""
+    batches_after: Callable[[int, int], list[PromptBatch]]
+    """(stream position stamped on a batch, count) -> the `count` training batches after it, as the dataloader
+    will hand them over (asynchronous rollouts sample them ahead)."""
     fingerprint: str = ""
     """The prompt set and its order, in a line (its rows' hash or the task's name, seed, shuffling, batch size):
     a resumed fit compares it with the checkpoint's."""

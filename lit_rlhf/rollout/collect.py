@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,7 @@ class RolloutSettings:
 class RolloutTimings:
     generate_s: float = 0.0
     score_s: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # the step's metrics from how the rollout was made
 
 
 class Collector(Protocol):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,13 +77,6 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
     return out
 
 
-@dataclass
-class DynamicTimings(RolloutTimings):
-    """The rollout timings summed over all rounds, and dynamic sampling's metrics."""
-
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
 def _group_rows(groups: list[int], group_size: int, device: torch.device) -> Tensor:
     """Group indices -> (len(groups) * G,) row indices, each group's rows together, in order."""
     index = torch.tensor(groups, dtype=torch.long, device=device)
@@ -98,7 +90,7 @@ def dynamic_rollout(
     group_size: int,
     max_rounds: int,
     pad_token_id: int,
-) -> tuple[Rollout, DynamicTimings]:
+) -> tuple[Rollout, RolloutTimings]:
     """Sample `prompts` with `collect`; while fewer than `B0 = len(prompts)` groups are not tied and rounds are
     left, collect `refill(j)` (extra round j, 1-based) too. Returns B0 groups: the first B0 untied groups in
     sampling order, then, when the rounds ran out, tied groups in sampling order (zero advantage: they train
@@ -108,7 +100,7 @@ def dynamic_rollout(
     rounds), `rollout/kept_fraction` (untied groups in the returned batch / B0).
     """
     wanted = len(prompts)
-    timings = DynamicTimings()
+    timings = RolloutTimings()
     kept: list[Rollout] = []
     tied: list[Rollout] = []
     kept_groups = dropped = rounds = 0
@@ -142,11 +134,6 @@ def dynamic_rollout(
         "rollout/kept_fraction": kept_groups / wanted,
     }
     return (parts[0] if len(parts) == 1 else concat_rollouts(parts, pad_token_id)), timings
-
-
-def dynamic_metrics(timings: Any) -> dict[str, float]:
-    """Dynamic sampling's metrics of a step (none when it is off)."""
-    return timings.metrics if isinstance(timings, DynamicTimings) else {}
 
 
 def refill_source(

@@ -53,7 +53,7 @@ class PendingRollout:
         self._scores: Tensor | None = None
         self._error: BaseException | None = None
         self._seconds = 0.0
-        self._thread_state = _thread_state()
+        self._thread_state = thread_state()
         threading.Thread(target=self._run, name="lit_rlhf-scoring", daemon=True).start()
 
     def _run(self) -> None:
@@ -104,7 +104,7 @@ def overlap_metrics(timings: Any) -> dict[str, float]:
     return {"time/score_wait_s": timings.score_wait_s} if isinstance(timings, OverlapTimings) else {}
 
 
-def _thread_state() -> Callable[[], contextlib.AbstractContextManager]:
+def thread_state() -> Callable[[], contextlib.AbstractContextManager]:
     """The training thread's thread-local torch state that scoring depends on (autocast, e.g. Lightning's
     bf16-mixed around a reward model, and the current CUDA device), to enter on the scoring thread."""
     autocast = [

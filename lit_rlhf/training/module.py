@@ -32,26 +32,24 @@ from lit_rlhf.config import (
     held_out_sampling,
     refuses_trl_names,
 )
-from lit_rlhf.models.actor_critic import eval_mode
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.models.lora import lora_config
 from lit_rlhf.rewards.composer import RewardComposer, RewardIsolation
 from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
-from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
-from lit_rlhf.rollout.dynamic import dynamic_metrics, dynamic_rollout, refill_source
+from lit_rlhf.rollout.collect import RolloutSettings
 from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.rollout.multi_turn import conversations_from
-from lit_rlhf.rollout.scoring import PendingRollout, overlap_metrics, split_pending, start_rollout
+from lit_rlhf.rollout.scoring import PendingRollout, overlap_metrics, split_pending
 from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
-from lit_rlhf.training.sharding import is_fsdp2, shard_module_models, unsharded_for_rollout
+from lit_rlhf.training.sharding import is_fsdp2, shard_module_models
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -196,28 +194,11 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
         values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
         values.update(sampler_metrics(experience))
-        values.update({**dynamic_metrics(timings), **overlap_metrics(timings)})
+        values.update({**timings.metrics, **overlap_metrics(timings)})
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})
         self.log_step(values, experience)
         self.step_schedulers("step", self.state.rollouts_done, plateau=True)  # with this rollout's metrics
-
-    def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout | PendingRollout, Any]:
-        """Phase 2: generate and score with the current policy (in eval mode); with dynamic sampling, tied groups
-        are replaced by groups of more prompts (`lit_rlhf.rollout.dynamic`); with `overlap_scoring`, a
-        `PendingRollout` whose scores are still being computed."""
-        algo, G, version = self.algorithm, self.algorithm.filled.group_size, self.state.policy_version
-        collector = self.collector(self.rollout_settings)
-        with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
-            if self.hparams["overlap_scoring"]:  # refused with an environment: a single-turn collector
-                assert isinstance(collector, SingleTurnCollector)
-                return start_rollout(collector, prompts, version)
-            if not algo.dynamic_sampling:
-                return collector.collect(prompts, version)
-            supply, rounds = self.refill_supply(), algo.max_sampling_rounds
-            refill = refill_source(supply.refill_batch, supply.batch_size, self.state.rollouts_done, rounds)
-            collect = lambda batch: collector.collect(batch, version)  # noqa: E731
-            return dynamic_rollout(collect, prompts, refill, G, rounds, self.tokenizer.pad_token_id)
 
     def compute_scores(
         self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation

@@ -128,7 +128,9 @@ class ManualOptimization(ManagedHooks):
                 "loop; for less memory per forward set model.algorithm.micro_batch_size (gradients accumulate over "
                 "a minibatch), for more rollout per optimizer step raise data.batch_size or lower num_minibatches"
             )
-        return [RunFolderGuard()]
+        inherited = super().configure_callbacks()
+        assert isinstance(inherited, Sequence)  # the mixins below return lists
+        return [RunFolderGuard(), *inherited]  # the guard's SIGTERM checkpoint first
 
     def configure_optimizers(self) -> Any:
         """AdamW over the trainable parameters, with linear warm-up, then constant, linear or cosine decay to the

@@ -289,6 +289,7 @@ class ExactResume(L.LightningModule):
         # the version a resumed command-line run logs into again (lit_rlhf.cli.ResumingCLI)
         checkpoint[CHECKPOINT_KEY]["logger_version"] = getattr(self.logger, "version", None)
         checkpoint[CHECKPOINT_KEY]["rollout_fingerprint"] = self.rollout_fingerprint()
+        super().on_save_checkpoint(checkpoint)
 
     def rollout_fingerprint(self) -> dict[str, str]:
         """What defines this run's rollouts, setting by setting: group size, sampling, rewards and, with a
@@ -329,3 +330,4 @@ class ExactResume(L.LightningModule):
         for key, callback_state in checkpoint.get("callbacks", {}).items():
             if key.startswith(Timer.__qualname__) and "time_elapsed" in callback_state:
                 callback_state["time_elapsed"] = dict.fromkeys(callback_state["time_elapsed"], 0.0)
+        super().on_load_checkpoint(checkpoint)

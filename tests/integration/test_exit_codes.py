@@ -102,3 +102,34 @@ def test_a_finished_run_exits_0(tmp_path):
     status, err = finish(train_py(tmp_path, "--trainer.max_steps", "4"))
     assert status == 0, err[-3000:]
     assert load_checkpoint_file(str(tmp_path / "runs" / "debug" / "checkpoints" / "last.ckpt"))["global_step"] == 4
+
+
+def test_sigterm_with_asynchronous_rollouts_keeps_those_in_flight_stops_the_producer_and_exits_143(tmp_path):
+    k = 2
+    proc = train_py(
+        tmp_path,
+        "--trainer.max_steps",
+        "100000",
+        "--trainer.callbacks.every_n_train_steps",
+        "100000",
+        "--model.reward_fns",
+        "[exit_helpers.marking_reward]",
+        "--model.algorithm.max_staleness",
+        str(k),
+    )
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ROLLOUT").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"training never scored a rollout: {finish(proc)[1][-3000:]}")
+        time.sleep(0.05)
+    time.sleep(1.0)  # a few steps in, with rollouts queued
+    proc.send_signal(signal.SIGTERM)
+    status, err = finish(proc, timeout=120)
+    assert status == 143, err[-3000:]
+    saved = load_checkpoint_file(str(tmp_path / "runs" / "debug" / "checkpoints" / "last.ckpt"))
+    done = saved["lit_rlhf"]["rollouts_done"]
+    assert saved["global_step"] == 4 * done  # a whole rollout: 2 epochs x 2 minibatches each
+    in_flight = saved["lit_rlhf_rollouts_in_flight"]
+    assert [r["index"] for r in in_flight] == list(range(done, done + k))  # finished before the save, kept
+    assert all(r["index"] - r["weights_step"] <= k for r in in_flight)

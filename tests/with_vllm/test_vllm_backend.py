@@ -173,3 +173,45 @@ def test_ranks_share_one_server_and_only_rank_zero_pushes(model_folder, vllm_ser
     assert largest_gap(policy, rank1.generate(batch, 2, sampling)) < SYNC_TOLERANCE
     rank0.close()
     rank1.close()
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_asynchronous_rollouts_sample_with_the_weights_of_their_job(model_folder, request, mode):
+    """max_staleness 1: rollout 2 is sampled by vLLM with the weights after the first update (the job's copy, pushed
+    by the producer), not the live ones: its engine log-probs equal an HF forward of those weights."""
+    import lightning as L
+
+    vllm = {"mode": mode}
+    if mode == "server":
+        vllm["server_url"] = request.getfixturevalue("vllm_server")
+    weights: list[dict] = []
+    seen: list = []
+
+    class Weights(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            weights.append({k: v.detach().clone() for k, v in pl_module.actor_critic.policy.state_dict().items()})
+
+    module = RLHFModule(
+        policy=model_folder,
+        reward_fns=[brevity],
+        algorithm=AlgorithmConfig(group_size=2, kl_coef=0.0, max_staleness=1),
+        sampling=SamplingConfig(max_new_tokens=8, backend="vllm", vllm={"max_model_len": 256, **vllm}),
+        lr=1e-3,
+    )
+    module.on_experience = seen.append  # type: ignore[method-assign]
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[Weights()],
+    )  # fmt: skip
+    data = RolloutDataModule(prompts=["Name a colour.", "Count to three.", "Say hi."], batch_size=2, seed=0)
+    trainer.fit(module, data)
+    assert [exp.policy_version for exp in seen] == [0, 0, 1]
+    policy, _ = load(model_folder)
+    gaps = []
+    for step in (1, 2):  # rollout 2 was sampled with step 1's weights; step 2's are the live ones at its update
+        policy.load_state_dict(weights[step])
+        exp = seen[2]
+        gen = Generation(exp.prompt_ids, exp.prompt_mask, exp.response_ids, exp.response_mask, exp.truncated)
+        gen.logprobs = exp.sampler_logprobs
+        gaps.append(largest_gap(policy, gen))
+    assert gaps[0] < SYNC_TOLERANCE < gaps[1], gaps

@@ -17,10 +17,10 @@ def vllm_backend(context: BackendContext) -> RolloutBackend:
     if settings.mode == "server":
         from lit_rlhf.rollout.backends.vllm_server import VLLMServerBackend
 
-        return VLLMServerBackend(policy, eos, pad, settings, context.global_rank)
+        return VLLMServerBackend(policy, eos, pad, settings, context.global_rank, context.generator)
     from lit_rlhf.rollout.backends.vllm_engine import VLLMEngineBackend
 
-    return VLLMEngineBackend(policy, eos, pad, settings)
+    return VLLMEngineBackend(policy, eos, pad, settings, context.generator)
 
 
 BACKENDS: dict[str, Callable[[BackendContext], RolloutBackend]] = {

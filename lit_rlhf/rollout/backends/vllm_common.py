@@ -49,10 +49,11 @@ def import_vllm(settings: VLLMConfig) -> Any:
     return vllm
 
 
-def request_seed() -> int:
-    """A seed for one sampling request, drawn from the global torch RNG, which the module seeds per rank and a
-    checkpoint restores: a resumed run sends the seeds the stopped run would have sent."""
-    return int(torch.randint(0, 2**31 - 1, (1,)))
+def request_seed(generator: torch.Generator | None = None) -> int:
+    """A seed for one sampling request, drawn from `generator` (the asynchronous sampler's, seeded per rollout) or
+    else the global torch RNG, which the module seeds per rank and a checkpoint restores: either way a resumed run
+    sends the seeds the stopped run would have sent."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device if generator else None))
 
 
 def sampling_params(sampling: SamplingConfig, group_size: int, seed: int, eos_token_id: int) -> dict[str, Any]:

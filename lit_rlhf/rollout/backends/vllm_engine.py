@@ -35,8 +35,16 @@ from lit_rlhf.types import PromptBatch
 class VLLMEngineBackend:
     """A vLLM `LLM` next to the trainer, sampling the policy's latest synced weights."""
 
-    def __init__(self, policy: nn.Module, eos_token_id: int, pad_token_id: int, settings: VLLMConfig) -> None:
+    def __init__(
+        self,
+        policy: nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        settings: VLLMConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
         self.vllm = import_vllm(settings)
+        self.generator = generator  # the request seeds' source (None: the global RNG)
         self.settings, self.eos_token_id, self.pad_token_id = settings, eos_token_id, pad_token_id
         self.device = next(policy.parameters()).device
         self.folder = tempfile.TemporaryDirectory(prefix="lit_rlhf-vllm-")
@@ -64,7 +72,7 @@ class VLLMEngineBackend:
 
     def generate(self, prompts: PromptBatch, group_size: int, sampling: SamplingConfig) -> Generation:
         params = self.vllm.SamplingParams(
-            **sampling_params(sampling, group_size, request_seed(), self.eos_token_id), detokenize=False
+            **sampling_params(sampling, group_size, request_seed(self.generator), self.eos_token_id), detokenize=False
         )
         requests = [{"prompt_token_ids": ids} for ids in prompt_rows(prompts.input_ids, prompts.attention_mask)]
         outputs = call_with_timeout(

@@ -51,9 +51,16 @@ class VLLMServerBackend:
     """A client of a running vLLM server; global rank 0 pushes each policy version through `weights_dir`."""
 
     def __init__(
-        self, policy: nn.Module, eos_token_id: int, pad_token_id: int, settings: VLLMConfig, rank: int = 0
+        self,
+        policy: nn.Module,
+        eos_token_id: int,
+        pad_token_id: int,
+        settings: VLLMConfig,
+        rank: int = 0,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.settings, self.eos_token_id, self.pad_token_id, self.rank = settings, eos_token_id, pad_token_id, rank
+        self.generator = generator  # the request seeds' source (None: the global RNG)
         self.device = next(policy.parameters()).device
         self.url = settings.server_url.rstrip("/")
         self._temporary = None if settings.weights_dir else tempfile.TemporaryDirectory(prefix="lit_rlhf-vllm-")
@@ -111,7 +118,7 @@ class VLLMServerBackend:
         body = {
             "model": self.model,
             "prompt": prompt_rows(prompts.input_ids, prompts.attention_mask),
-            **sampling_params(sampling, group_size, request_seed(), self.eos_token_id),
+            **sampling_params(sampling, group_size, request_seed(self.generator), self.eos_token_id),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
