@@ -14,6 +14,7 @@ import inspect
 import os
 import signal
 import sys
+import tempfile
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -29,7 +30,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_foreign_names
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import check_target, save_module_policy
-from lit_rlhf.training.checkpoint_io import CheckpointError, check_checkpoint_file, load_checkpoint_file
+from lit_rlhf.training.checkpoint_io import (
+    CheckpointError,
+    check_checkpoint_file,
+    consolidate_distributed_checkpoint,
+    is_distributed_checkpoint,
+    load_checkpoint_file,
+)
 from lit_rlhf.training.memory_plan import GiB, available_bytes, plan_memory, plan_settings
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
@@ -249,6 +256,11 @@ def export_checkpoint(
     replaced only when it holds a previous export or Hugging Face files), before the checkpoint is read.
     """
     check_target(out, overwrite)
+    if is_distributed_checkpoint(ckpt_path):  # FSDP2's folder of shards: one full file first, beside nothing
+        with tempfile.TemporaryDirectory(prefix="lit-rlhf-export-") as folder:
+            consolidated = os.path.join(folder, "consolidated.ckpt")
+            consolidate_distributed_checkpoint(ckpt_path, consolidated)
+            return export_checkpoint(consolidated, out, merge_lora, overwrite, policy, tokenizer)
     named = checkpoint_names_policy(ckpt_path)
     overrides: dict[str, Any] = {k: v for k, v in (("policy", policy), ("tokenizer", tokenizer)) if v is not None}
     # exporting scores nothing: the training's reward and metric functions (perhaps defined in a script that is
@@ -268,7 +280,9 @@ def export_checkpoint(
             "NAME_OR_FOLDER rebuilds the policy from elsewhere"
         ) from err
     module.configure_model()
-    return save_module_policy(module, out, merge_lora, overwrite)
+    path = save_module_policy(module, out, merge_lora, overwrite)
+    assert path is not None  # one process, nothing sharded: this process writes
+    return path
 
 
 def _no_scoring_in_export(prompts: list[str], responses: list[str], **meta: Any) -> list[float]:
@@ -283,7 +297,9 @@ def export_main(argv: list[str] | None = None) -> None:
         description="Write the policy of a lit_rlhf checkpoint as a Hugging Face folder (model, tokenizer, "
         "generation config) that AutoModelForCausalLM.from_pretrained loads.",
     )
-    parser.add_argument("--ckpt", required=True, help="a .ckpt written by training an RLHFModule")
+    parser.add_argument(
+        "--ckpt", required=True, help="a .ckpt written by training an RLHFModule (a file, or an FSDP2 folder)"
+    )
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, unless --overwrite)")
     parser.add_argument(
         "--no-merge-lora",

@@ -20,10 +20,12 @@ import urllib.request
 from typing import IO
 
 
-def server_command(model: str, port: int, dtype: str = "float32", max_model_len: int = 512) -> list[str]:
+def server_command(
+    model: str, port: int, dtype: str = "float32", max_model_len: int = 512, host: str = "127.0.0.1"
+) -> list[str]:
     """The server's command line (on a GPU add e.g. --gpu-memory-utilization 0.5 with extra arguments)."""
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
         "--port", str(port), "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
         "--seed", "0", "--max-num-seqs", "32", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
@@ -65,10 +67,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the policy's Hugging Face folder (or hub id)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0: reachable from trainers on other machines")
     parser.add_argument("--dtype", default="float32", help="the policy's dtype (bfloat16 on a GPU)")
     parser.add_argument("--max-model-len", type=int, default=512, help="the longest prompt + response")
     args = parser.parse_args()
-    command = server_command(args.model, args.port, args.dtype, args.max_model_len)
+    command = server_command(args.model, args.port, args.dtype, args.max_model_len, args.host)
     os.execvpe(command[0], command, server_env())
 
 

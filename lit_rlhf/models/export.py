@@ -19,8 +19,9 @@ next export to the same folder. A SIGTERM that arrives while an export is writte
 published (or, if it fails, rolled back), then delivered to the handler it would have reached (the default one
 ends the process with the usual status, 143 in a shell).
 
-The policy is saved as this process holds it: under a strategy that shards parameters (FSDP, DeepSpeed ZeRO-3)
-save a full checkpoint and export it with `lit-rlhf-export` instead.
+A policy sharded by FSDP2 (`ModelParallelStrategy`) is gathered into a plain copy on global rank 0 first
+(`save_module_policy`; every rank takes part). Under the classic `FSDPStrategy` or DeepSpeed ZeRO-3 the policy is
+saved as this process holds it, so save a full checkpoint and export it with `lit-rlhf-export` instead.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from torch import nn
 
 from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.models.actor_critic import ActorCritic
+from lit_rlhf.models.full_weights import gathered_copy, is_sharded
 from lit_rlhf.models.lora import has_adapters
 
 TMP_MARKER = ".tmp-"
@@ -333,29 +335,34 @@ def save_policy(
     return target
 
 
-def save_module_policy(module: Any, folder: str, merge_lora: bool = True, overwrite: bool = False) -> str:
+def save_module_policy(module: Any, folder: str, merge_lora: bool = True, overwrite: bool = False) -> str | None:
     """`save_policy` for an `RLHFModule` (or anything with `actor_critic.policy`, `tokenizer`, `sampling`): its
-    policy, its tokenizer, and its sampling settings as the generation config."""
+    policy, its tokenizer, and its sampling settings as the generation config.
+
+    A policy sharded by FSDP2 (`ModelParallelStrategy`) is first gathered into a plain copy on global rank 0
+    (`lit_rlhf.models.full_weights`): every rank must then call this, rank 0 writes the folder and returns its
+    path, the others return None."""
     if getattr(module, "actor_critic", None) is None:
         raise ExportError(
             f"save_policy: the module has no policy yet (call configure_model() first); folder {folder!r}"
         )
-    if any(hasattr(p, "full_tensor") for p in module.actor_critic.policy.parameters()):  # DTensor shards
-        raise ExportError(
-            "save_policy: the policy is sharded (ModelParallelStrategy, FSDP2); gathering it into a Hugging Face "
-            f"folder is not supported yet, so {folder!r} was not written: train with strategy: ddp to export"
-        )
+    policy = module.actor_critic.policy
+    if is_sharded(policy):
+        policy = gathered_copy(policy)
+        if policy is None:  # not global rank 0: it took part in the gather, rank 0 writes
+            return None
     sampling = getattr(module, "sampling", None)
     settings = generation_settings(sampling) if isinstance(sampling, SamplingConfig) else None
-    return save_policy(module.actor_critic.policy, module.tokenizer, folder, merge_lora, settings, overwrite)
+    return save_policy(policy, module.tokenizer, folder, merge_lora, settings, overwrite)
 
 
 class PolicyExport:
     """Mixin for `RLHFModule`: `module.save_policy(folder)`."""
 
-    def save_policy(self, folder: str, merge_lora: bool = True, overwrite: bool = False) -> str:
+    def save_policy(self, folder: str, merge_lora: bool = True, overwrite: bool = False) -> str | None:
         """Write the policy, the tokenizer and the sampling settings (as the generation config) as a Hugging Face
-        folder that `AutoModelForCausalLM.from_pretrained` loads (`lit_rlhf.models.export`); returns its path."""
+        folder that `AutoModelForCausalLM.from_pretrained` loads (`lit_rlhf.models.export`); returns its path.
+        Under FSDP2 call it on every rank (they gather the policy); rank 0 writes, the others get None."""
         return save_module_policy(self, folder, merge_lora, overwrite)
 
 

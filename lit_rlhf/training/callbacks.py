@@ -18,8 +18,10 @@ from typing import Any
 import lightning as L
 
 from lit_rlhf.models.export import ExportError, replace_problem, save_module_policy
+from lit_rlhf.models.full_weights import is_sharded
 
-SHARDING_STRATEGIES = ("FSDPStrategy", "ModelParallelStrategy")
+SHARDING_STRATEGIES = ("FSDPStrategy",)
+"""Strategies whose shards this callback cannot gather (FSDP2, `ModelParallelStrategy`, it can)."""
 
 
 class SavePolicy(L.Callback):
@@ -81,11 +83,14 @@ class SavePolicy(L.Callback):
         self.save(trainer, pl_module)
 
     def save(self, trainer: L.Trainer, pl_module: Any) -> str | None:
-        """Write the folder on global rank 0; returns its path there (None on other ranks)."""
-        if not trainer.is_global_zero or self.saved_at_step == trainer.global_step:  # or this policy is saved
+        """Write the folder on global rank 0; returns its path there (None on other ranks). Under FSDP2 every
+        rank takes part in gathering the policy."""
+        if self.saved_at_step == trainer.global_step:  # this policy is saved already
+            return None
+        if not trainer.is_global_zero and not is_sharded(pl_module.actor_critic.policy):
             return None
         path = save_module_policy(pl_module, self.folder, self.merge_lora, overwrite=self.overwrite or self.saved > 0)
-        self.saved, self.saved_at_step = self.saved + 1, trainer.global_step
+        self.saved, self.saved_at_step = self.saved + 1, trainer.global_step  # on every rank alike
         return path
 
 

@@ -153,6 +153,32 @@ def _line_with(err: BaseException, words: str) -> str:
     return _first_line(err)
 
 
+DISTRIBUTED_METADATA = "meta.pt"
+"""Beside the shard files (`*.distcp`) of a distributed checkpoint folder: everything but weights and optimizer."""
+
+
+def is_distributed_checkpoint(path: str) -> bool:
+    """Whether `path` is a distributed checkpoint folder (`ModelParallelStrategy`, FSDP2)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DISTRIBUTED_METADATA))
+
+
+def consolidate_distributed_checkpoint(folder: str, out: str) -> None:
+    """Write the distributed checkpoint `folder` as one file `out` with the full weights and the rest of the
+    checkpoint but no optimizer state: a file to export the policy from, not to resume from. Runs in one process
+    (no process group) and holds the whole checkpoint, optimizer state included, in its memory meanwhile."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint = load_checkpoint_file(os.path.join(folder, DISTRIBUTED_METADATA), "cpu")
+    staged = f"{out}{TMP_MARKER}{os.getpid()}"
+    try:
+        dcp_to_torch_save(folder, staged)
+        checkpoint["state_dict"] = load_checkpoint_file(staged, "cpu")["state_dict"]
+    finally:
+        if os.path.exists(staged):
+            os.remove(staged)
+    atomic_torch_save(checkpoint, out)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning `CheckpointIO`: atomic local writes (temp file + fsync + os.replace), weights-only loads.
 

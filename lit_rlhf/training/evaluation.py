@@ -26,6 +26,7 @@ from lit_rlhf.rollout.collect import RolloutSettings, SingleTurnCollector
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.rollouts import Rollouts
+from lit_rlhf.training.sharding import is_fsdp2, unsharded_for_rollout
 from lit_rlhf.types import PromptBatch, Rollout
 
 
@@ -53,7 +54,7 @@ class HeldOutEvaluation(Rollouts):
 
     def answer(self, prompts: PromptBatch) -> Rollout:
         """`val_samples_per_prompt` responses to each prompt with `val_sampling`, scored: a `Rollout`."""
-        with eval_mode(self.actor_critic):
+        with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
             rollout, _ = self.collector(self.held_out_settings).collect(prompts, self.state.policy_version)
         return rollout
 
@@ -84,6 +85,34 @@ class HeldOutEvaluation(Rollouts):
             )
             logs.write_samples(self.loggers, rows, self.global_step, tag=f"{stage}_samples")
 
+    def check_even_held_out_batches(self, counts: list[int | float], stage: str) -> None:
+        """Under FSDP2 each held-out batch gathers the policy, a collective: a rank with more batches than another
+        would wait forever for it, so uneven counts are refused on every rank (they all see every count)."""
+        if not is_fsdp2(self._trainer) or self.trainer.world_size == 1:
+            return
+        if any(n == float("inf") for n in counts):
+            raise ConfigError(
+                f"data.{stage}_prompts: under ModelParallelStrategy (FSDP2) the held-out batches must be counted "
+                "(every rank must answer as many), but a held-out dataloader has no length; give it a __len__"
+            )
+        mine = torch.tensor(int(sum(counts)), device=self.device)
+        every = [int(n) for n in self.trainer.strategy.all_gather(mine).flatten()]
+        if min(every) != max(every):
+            raise ConfigError(
+                f"data.{stage}_prompts: under ModelParallelStrategy (FSDP2) every rank must answer as many held-out "
+                f"batches (each one gathers the sharded policy, a collective), but the ranks have {every}; use a "
+                f"number of {stage} prompts that is a multiple of world_size x the batch size"
+            )
+
+    def on_validation_epoch_start(self) -> None:
+        self.check_even_held_out_batches(self.trainer.num_val_batches, "val")
+
+    def on_test_epoch_start(self) -> None:
+        self.check_even_held_out_batches(self.trainer.num_test_batches, "test")
+
+    def on_predict_epoch_start(self) -> None:
+        self.check_even_held_out_batches(self.trainer.num_predict_batches, "predict")
+
     def validation_step(self, prompts: PromptBatch, batch_idx: int) -> None:
         self.evaluation_step(prompts, batch_idx, "val")
 
@@ -111,7 +140,7 @@ class HeldOutEvaluation(Rollouts):
         batch = prompt_batch(self.tokenizer, items)
         settings = sampling if sampling is not None else self.val_sampling
         collector = SingleTurnCollector(self.backend(settings), self.tokenizer, _no_score, RolloutSettings(n, settings))
-        with eval_mode(self.actor_critic):
+        with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
             rollout, _ = collector.collect(batch, self.state.policy_version)
         return rollout.responses
 

@@ -57,13 +57,17 @@ def non_finite(stats: dict[str, float], grad_norm: float) -> dict[str, float]:
 
 
 def non_finite_parameters(named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[str]:
-    """The names of the parameters holding a NaN or an infinity (one device sync for all of them)."""
+    """The names of the parameters holding a NaN or an infinity (one device sync for all of them; under FSDP2 one
+    all-reduce, so every rank names the same ones)."""
     named = list(named_parameters)
     if not named:
         return []
     local = [p.to_local() if hasattr(p, "to_local") else p for _, p in named]  # FSDP2: this rank's shard
-    finite = torch.stack([torch.isfinite(p.detach()).all() for p in local]).cpu()
-    return [name for (name, _), ok in zip(named, finite.tolist(), strict=True) if not ok]
+    finite = torch.stack([torch.isfinite(p.detach()).all() for p in local]).to(torch.int32)
+    if any(hasattr(p, "to_local") for _, p in named):
+        # FSDP2: a NaN in one rank's shard is every rank's verdict, or that rank alone would stop (the rest hang)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+    return [name for (name, _), ok in zip(named, finite.cpu().tolist(), strict=True) if not ok]
 
 
 def single_optimizer(optimizers: Any) -> LightningOptimizer:

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
 
 
 def is_fsdp2(trainer: Any) -> bool:
@@ -41,6 +42,20 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def check_checkpoint_writer(strategy: Any) -> None:
+    """`AtomicCheckpointIO` with distributed checkpoints is refused: Lightning writes those folders itself, in
+    place, so the plugin would be ignored and a kill while `last.ckpt` is rewritten could leave it partial."""
+    if getattr(strategy, "_save_distributed_checkpoint", False) and isinstance(
+        strategy.checkpoint_io, AtomicCheckpointIO
+    ):
+        raise ConfigError(
+            "trainer.plugins: AtomicCheckpointIO cannot write ModelParallelStrategy's distributed checkpoints "
+            "(Lightning writes each folder in place, so a kill while last.ckpt is rewritten can leave it partial); "
+            "set the strategy's save_distributed_checkpoint: false (full checkpoints gathered on rank 0 and written "
+            "atomically by AtomicCheckpointIO), or remove the plugin to accept folders written in place"
+        )
+
+
 def shard_module_models(module: Any, shard_frozen: bool) -> None:
     """`fully_shard` the policy (blocks, then root), a separate critic the same way, the value head as its own
     unit, and the frozen reference and reward model when `shard_frozen` (else each rank keeps a full copy). The
@@ -56,6 +71,7 @@ def shard_module_models(module: Any, shard_frozen: bool) -> None:
             "trainer.strategy: ModelParallelStrategy with tensor_parallel_size > 1 is not supported; set "
             "tensor_parallel_size: 1 (FSDP2 over all devices)"
         )
+    check_checkpoint_writer(module.trainer.strategy)
     mesh = module.device_mesh["data_parallel"] if "data_parallel" in module.device_mesh.mesh_dim_names else None
     actor_critic = module.actor_critic
     shard_model(actor_critic.policy, mesh)  # a root of its own: sampling calls the policy, not the actor-critic

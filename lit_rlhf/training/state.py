@@ -22,6 +22,7 @@ from lit_rlhf.data.handoff import PromptSupply
 from lit_rlhf.models.build import ModelSpecs
 from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.functions import RewardError, callable_path, import_callable
+from lit_rlhf.training.sharding import is_fsdp2
 
 CHECKPOINT_KEY = "lit_rlhf"
 
@@ -267,7 +268,10 @@ class ExactResume(L.LightningModule):
         self.__dict__["_hparams_initial"].update(names)
 
     def rebuilt_prefixes(self) -> tuple[str, ...]:
-        """Frozen models reloaded from their source, left out of checkpoints."""
+        """Frozen models reloaded from their source, left out of checkpoints; none under FSDP2, whose distributed
+        checkpoint Lightning loads into every key of the module (a missing one fails the resume)."""
+        if is_fsdp2(attached_trainer(self)):
+            return ()
         return self.specs.rebuildable_prefixes(self.reference is not None, self.reward_model is not None)
 
     def on_fit_start(self) -> None:

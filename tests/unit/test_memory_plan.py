@@ -105,3 +105,14 @@ def test_lit_rlhf_plan_prints_the_table_and_refuses_a_small_device(capsys):
     assert "policy weights" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="lit-rlhf-plan: error: memory plan: .* the largest term is"):
         plan_main(["--config", config, "--device-memory-gb", "0.001"])
+
+
+def test_ddp_adds_its_gradient_buckets_and_fsdp2_on_cpu_is_marked_a_lower_bound():
+    one = plan_memory(PlanSettings(policy="builtin:digits"))
+    ddp = plan_memory(PlanSettings(policy="builtin:digits", world_size=2))
+    assert terms(ddp)["DDP gradient buckets"] == terms(one)["gradients"]  # a flat copy of every gradient
+    assert ddp.total == one.total + terms(one)["gradients"]
+    assert "DDP gradient buckets" not in terms(one)
+    fsdp2 = plan_memory(PlanSettings(policy="builtin:digits", world_size=2, sharded=True))
+    assert "DDP gradient buckets" not in terms(fsdp2) and "a lower bound" in fsdp2.table()
+    assert "lower bound" not in ddp.table()

@@ -50,18 +50,32 @@ def test_a_rollout_gathers_once_and_reshards_after(one_process_group):
         assert is_sharded(block)
 
 
-def test_save_policy_of_a_sharded_policy_is_refused(one_process_group, tmp_path):
+def test_save_policy_of_a_sharded_policy_gathers_a_folder_plain_transformers_loads(one_process_group, tmp_path):
     from types import SimpleNamespace
 
-    from lit_rlhf.models.export import ExportError, save_module_policy
+    from transformers import AutoModelForCausalLM
+
+    from lit_rlhf.models.export import save_module_policy
     from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 
     policy = builtin_policy()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        expected = policy(ids).logits
     shard_model(policy, None)
+    assert is_sharded(policy) and type(policy).__name__.startswith("FSDP")
     module = SimpleNamespace(actor_critic=SimpleNamespace(policy=policy), tokenizer=builtin_tokenizer())
-    with pytest.raises(ExportError, match="the policy is sharded .* not supported yet"):
-        save_module_policy(module, str(tmp_path / "policy"))
-    assert not (tmp_path / "policy").exists()
+    path = save_module_policy(module, str(tmp_path / "policy"))
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert type(loaded).__name__ == "GPT2LMHeadModel"  # not the FSDP class
+    assert loaded.config.architectures == ["GPT2LMHeadModel"]
+    assert sorted(loaded.state_dict()) == sorted(before)
+    assert all(torch.equal(loaded.state_dict()[k], before[k]) for k in before)
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected)
+    assert is_sharded(policy)  # the live policy stays sharded
 
 
 def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
@@ -81,3 +95,62 @@ def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
 
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported"):
         shard_module_models(SimpleNamespace(hparams={}, device_mesh=Mesh()), True)
+
+
+def test_atomic_checkpoint_io_with_distributed_checkpoints_is_refused():
+    from types import SimpleNamespace
+
+    from lit_rlhf.config import ConfigError
+    from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
+    from lit_rlhf.training.sharding import check_checkpoint_writer
+
+    with pytest.raises(ConfigError, match="save_distributed_checkpoint: false"):
+        check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=AtomicCheckpointIO()))
+    check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=False, checkpoint_io=AtomicCheckpointIO()))
+    check_checkpoint_writer(SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=None))
+
+
+def test_held_out_generation_gathers_each_unit_once_per_batch(one_process_group, monkeypatch):
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from lit_rlhf import RLHFModule, SamplingConfig
+
+    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"])
+    module.configure_model()
+    shard_model(module.actor_critic.policy, None)
+    gathers = []
+    unshard = FSDPParamGroup.unshard
+
+    def counting_unshard(group, *args, **kwargs):
+        if not group.is_unsharded:
+            gathers.append(group)
+        return unshard(group, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counting_unshard)
+    sampling = SamplingConfig(max_new_tokens=6)
+    assert len(module.generate(["312>", "90>"], sampling=sampling)) == 2
+    # one all-gather per unit (2 blocks + the root) for the whole batch, not one per unit and decoding step
+    assert len(gathers) == module.actor_critic.policy.config.n_layer + 1
+    assert is_sharded(transformer_blocks(module.actor_critic.policy)[0])  # resharded after
+
+
+def test_uneven_held_out_batches_under_fsdp2_are_refused_on_every_rank():
+    from types import SimpleNamespace
+
+    from lit_rlhf import RLHFModule
+    from lit_rlhf.config import ConfigError
+
+    class ModelParallelStrategy:  # what `is_fsdp2` recognises; all_gather returns both ranks' counts
+        def __init__(self, other: int):
+            self.other = other
+
+        def all_gather(self, mine):
+            return torch.stack([mine, torch.tensor(self.other)])
+
+    module = RLHFModule(policy="builtin:digits", reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"])
+    module._trainer = SimpleNamespace(strategy=ModelParallelStrategy(other=2), world_size=2)
+    with pytest.raises(ConfigError, match=r"data.val_prompts: .* the ranks have \[3, 2\]"):
+        module.check_even_held_out_batches([3], "val")
+    module.check_even_held_out_batches([2], "val")  # as many batches on each rank
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(), world_size=2)  # DDP: no collective per batch
+    module.check_even_held_out_batches([3], "val")

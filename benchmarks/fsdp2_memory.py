@@ -1,0 +1,179 @@
+"""Per-process memory and step time of FSDP2 (`ModelParallelStrategy`) against DDP on 2 CPU processes (gloo), the
+same global batch (each rank samples for its own prompts), the same GRPO settings.
+
+    python benchmarks/fsdp2_memory.py [--policy smollm2|builtin] [--steps 3]
+
+Each strategy runs as 2 worker processes of this script (LOCAL_RANK, MASTER_PORT, ... set as torchrun would),
+one after the other. Every rank records, after the fit, the bytes it holds itself (a `DTensor`'s local shard, a
+plain tensor whole) of the trainable parameters, the frozen ones (reference) and AdamW's state, its peak RSS
+(`ru_maxrss`, libraries included) and each step's wall time. Results go to
+benchmarks/results/fsdp2_memory_<time>.json and a markdown table to stdout. `--policy smollm2` needs
+models/smollm2-135m (or $LIT_RLHF_SMOLLM2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SMOLLM2 = os.environ.get("LIT_RLHF_SMOLLM2", os.path.join(ROOT, "models", "smollm2-135m"))
+TOPICS = os.path.join(ROOT, "configs", "prompts", "smollm2_topics.jsonl")
+SETUPS: dict[str, dict[str, Any]] = {
+    "smollm2": dict(
+        policy=SMOLLM2,
+        reward="lit_rlhf.tasks.chat.vader_sentiment_reward",
+        prompts=TOPICS,
+        max_new_tokens=16,
+        max_prompt_length=48,
+    ),
+    "builtin": dict(
+        policy="builtin:digits",
+        reward="lit_rlhf.tasks.digits.sort_digits_reward",
+        prompts="builtin:digits",
+        max_new_tokens=8,
+        max_prompt_length=16,
+    ),
+}
+MIB = 2**20
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this process holds for `tensors`: a DTensor's local shard, a plain tensor whole."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+
+    setup = SETUPS[args.policy]
+    L.seed_everything(0)
+    module = RLHFModule(
+        policy=setup["policy"],
+        reward_fns=[setup["reward"]],
+        algorithm=AlgorithmConfig(name="grpo", group_size=2, micro_batch_size=2, kl_coef=0.04),
+        sampling=SamplingConfig(max_new_tokens=setup["max_new_tokens"]),
+        lr=1e-5,
+        memory_check="off",
+    )
+    data = RolloutDataModule(prompts=setup["prompts"], batch_size=1, max_prompt_length=setup["max_prompt_length"])
+    if args.strategy == "fsdp2":
+        strategy: Any = ModelParallelStrategy(2, 1, process_group_backend="gloo")  # data x tensor parallel sizes
+    else:
+        strategy = "ddp"
+    steps: list[float] = []
+
+    class StepClock(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            steps.append(time.perf_counter() - self.start)
+
+    trainer = L.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepClock()],
+    )
+    trainer.fit(module, data)
+    params = list(module.parameters())
+    optimizer = trainer.optimizers[0]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    record = {
+        "strategy": args.strategy,
+        "rank": trainer.global_rank,
+        "trainable_mib": local_bytes(p for p in params if p.requires_grad) / MIB,
+        "frozen_mib": local_bytes(p for p in params if not p.requires_grad) / MIB,
+        "optimizer_mib": local_bytes(state) / MIB,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_s": steps,
+    }
+    with open(os.path.join(args.out, f"{args.strategy}_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(strategy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    command = [sys.executable, __file__, "--worker", "--strategy", strategy, "--policy", args.policy]
+    command += ["--steps", str(args.steps), "--out", args.out]
+    procs = [subprocess.Popen(command, env=dict(env, LOCAL_RANK=str(rank))) for rank in (0, 1)]
+    if any(proc.wait() != 0 for proc in procs):
+        raise SystemExit(f"the {strategy} run failed")
+    records = []
+    for rank in (0, 1):
+        with open(os.path.join(args.out, f"{strategy}_rank{rank}.json")) as f:
+            records.append(json.load(f))
+    return records
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    rows = [
+        "| strategy | rank | trainable params (MiB) | optimizer state (MiB) | params + optimizer (MiB) | frozen "
+        "reference (MiB) | peak RSS (MiB) | median step (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        both = r["trainable_mib"] + r["optimizer_mib"]
+        rows.append(
+            f"| {r['strategy']} | {r['rank']} | {r['trainable_mib']:.1f} | {r['optimizer_mib']:.1f} | {both:.1f} | "
+            f"{r['frozen_mib']:.1f} | {r['peak_rss_mib']:.0f} | {statistics.median(r['step_s']):.2f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", choices=sorted(SETUPS), default="smollm2")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)  # the workers' per-rank records
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as args.out:
+        records = [r for strategy in ("ddp", "fsdp2") for r in launch(strategy, args)]
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", f"fsdp2_memory_{stamp}.json"), "w") as f:
+        json.dump({"policy": args.policy, "steps": args.steps, "records": records}, f, indent=1)
+    print(table(records))
+
+
+if __name__ == "__main__":
+    main()
