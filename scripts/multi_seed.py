@@ -123,7 +123,7 @@ def report(args: argparse.Namespace, table: dict[str, dict[int, float]]) -> None
     settings = " ".join(args.set) or "as shipped"
     print(f"configs/{args.config}.yaml ({settings}), {args.steps} optimizer steps, seeds {args.seeds}")
     for name, values in table.items():
-        per_seed = " ".join(f"{values[seed]:.3f}" for seed in args.seeds)
+        per_seed = " ".join(f"{values[seed]:.3f}" if seed in values else "-" for seed in args.seeds)
         spread = f"{statistics.fmean(values.values()):.3f} [{min(values.values()):.3f}, {max(values.values()):.3f}]"
         print(f"  {name:14s} mean [min, max] {spread}   per seed: {per_seed}")
 
