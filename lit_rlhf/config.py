@@ -207,6 +207,9 @@ class AlgorithmConfig:
     """Clip of the value update around the old values. None: plain MSE."""
     vf_coef: float = 0.1
     """Weight of the value loss (PPO)."""
+    value_lr_scale: float = 1.0
+    """The value head's (and a separate critic's) learning rate as a multiple of `model.lr` (PPO); the schedule
+    applies to both. Under Adam the head's step size is this rate whatever `vf_coef` is (docs/ppo.md)."""
     gamma: float = 1.0
     """Discount of GAE."""
     lam: float = 0.95
@@ -331,6 +334,7 @@ class AlgorithmConfig:
         check_float(
             self.vf_coef, "algorithm.vf_coef", 0, fix="a negative weight trains the critic away from the returns"
         )
+        check_float(self.value_lr_scale, "algorithm.value_lr_scale", 0, low_open=True, fix="1.0: model.lr")
         check_float(self.gamma, "algorithm.gamma", 0, 1, fix="1.0 (no discount) is usual")
         check_float(self.lam, "algorithm.lam", 0, 1, fix="0.95 is usual")
         check_bool(self.whiten_advantages, "algorithm.whiten_advantages")

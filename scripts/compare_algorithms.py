@@ -39,8 +39,16 @@ def run_config(name: str, overrides: dict, out: str, rollouts: int, every: int) 
     for key in ("callbacks", "plugins", "max_time", "max_steps"):
         trainer.pop(key, None)
     trainer.update(max_epochs=rollouts // every, log_every_n_steps=1, enable_checkpointing=False)
-    trainer["logger"] = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": out}}
     settings["model"]["algorithm"].update(overrides)
+    return save_run_config(settings, out, every)
+
+
+def save_run_config(settings: dict, out: str, every: int) -> str:
+    """Write `settings` with CSV logs under `out` and `every` rollouts per epoch to `out`/config.yaml; its path."""
+    settings["trainer"]["logger"] = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": out},
+    }
     settings["data"]["rollouts_per_epoch"] = every
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "config.yaml")

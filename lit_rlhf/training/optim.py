@@ -40,6 +40,19 @@ def warmup_then_decay(schedule: LRSchedule, warmup_steps: int, total_steps: int 
     return factor
 
 
+def parameter_groups(
+    trainable: Iterable[nn.Parameter], critic: Sequence[nn.Parameter], lr: float, value_lr_scale: float
+) -> list[dict[str, Any]]:
+    """AdamW's parameter groups: one at `lr`, or, with `value_lr_scale` != 1 and a critic, the critic's parameters
+    (`critic`) in a second group at `lr * value_lr_scale` (`algorithm.value_lr_scale`)."""
+    params = list(trainable)
+    if value_lr_scale == 1.0 or not critic:
+        return [{"params": params}]
+    critic_ids = {id(p) for p in critic}
+    rest = [p for p in params if id(p) not in critic_ids]
+    return [{"params": rest}, {"params": [p for p in params if id(p) in critic_ids], "lr": lr * value_lr_scale}]
+
+
 def gradient_norm(parameters: Iterable[nn.Parameter]) -> float:
     """The global L2 norm of the parameters' gradients (0.0 when none has one), before clipping."""
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -104,6 +117,12 @@ class ManualOptimization(ManagedHooks):
         """The parameters that train: every one with requires_grad (frozen models have none)."""
         return (p for p in self.parameters() if p.requires_grad)
 
+    def critic_parameters(self) -> list[nn.Parameter]:
+        """The trainable parameters of the value head and a separate critic backbone (none without a critic)."""
+        actor_critic = getattr(self, "actor_critic", None)
+        parts = [getattr(actor_critic, name, None) for name in ("value_head", "critic_backbone")]
+        return [p for part in parts if part is not None for p in part.parameters() if p.requires_grad]
+
     def setup(self, stage: str) -> None:
         check_precision(str(self.trainer.precision))
         if stage == "fit":  # after the ModelCheckpoints resolved their folders, before any model loads
@@ -137,10 +156,9 @@ class ManualOptimization(ManagedHooks):
         end of training (`max_steps`, or `max_epochs` with finite epochs)."""
         hp = self.hparams
         beta1, beta2 = hp["betas"]
-        optimizer = torch.optim.AdamW(
-            self.trainable_parameters(), hp["lr"], (beta1, beta2), weight_decay=hp["weight_decay"]
-        )
         algo = self.algorithm
+        groups = parameter_groups(self.trainable_parameters(), self.critic_parameters(), hp["lr"], algo.value_lr_scale)
+        optimizer = torch.optim.AdamW(groups, hp["lr"], (beta1, beta2), weight_decay=hp["weight_decay"])
         total = total_optimizer_steps(self.trainer, algo.ppo_epochs * algo.num_minibatches)
         if total is None and hp["lr_schedule"] != "constant":
             raise ConfigError(

@@ -39,6 +39,8 @@ ALGORITHM_CASES = [
     ("value_clip", NAN),
     ("vf_coef", -0.5),
     ("vf_coef", NAN),
+    ("value_lr_scale", 0.0),
+    ("value_lr_scale", INF),
     ("gamma", 1.5),
     ("gamma", NAN),
     ("lam", -0.1),
