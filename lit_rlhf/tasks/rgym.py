@@ -51,7 +51,7 @@ CHUNK = 1000
 MAX_MISSES = 20_000
 """Items drawn in a row without a usable one before a stream gives up (the knobs allow too few problems)."""
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_FINAL = re.compile(r"(?:=|\banswer is:?|\banswer:)([^=]*)$", re.IGNORECASE)
+_FINAL = re.compile(r"(?:=|\bis\b:?|\banswer:)((?:(?!=|\bis\b).)*)$", re.IGNORECASE)
 _DECORATION = " \t*$`.\"'"
 """Stripped from around a 'final' answer: spaces, markdown emphasis and maths, a full stop, quotes."""
 
@@ -172,8 +172,8 @@ FAMILY_ENTRY = TaskFamily(
 
 def extract(response: str, answer_format: str) -> str | None:
     """The answer in `response`, stripped; None when there is none. 'tags': inside the last <answer></answer>;
-    'last_line': the last non-empty line; 'final': of that line, what follows its last '=' or 'answer is' /
-    'answer:' (all of it when it has none), without markdown emphasis, `$`, quotes or a final full stop."""
+    'last_line': the last non-empty line; 'final': of that line, what follows its last '=', 'is' or 'answer:'
+    (all of it when it has none), without markdown emphasis, `$`, quotes or a final full stop."""
     if answer_format == "tags":
         found = _ANSWER_TAG.findall(response)
         return found[-1].strip() if found else None
