@@ -144,8 +144,9 @@ def _rows(spec: str, seed: int, held: bool, field: str) -> Iterator[dict[str, An
 
 
 def _member(spec: str, field: str) -> Task:
-    """The task for '<dataset>?<knobs>', its spec checked now (a bad one fails before any model loads)."""
-    parse_spec(spec, field)
+    """The task for '<dataset>?<knobs>', its spec and knob values checked now (before any model loads)."""
+    name, knobs, _ = parse_spec(spec, field)
+    make_dataset(name, knobs, 0, field)
     return _task(spec)
 
 
