@@ -287,8 +287,10 @@ def load_prompt_rows(
 
 
 def builtin_rows(spec: str, seed: int, count: int, field: str) -> list[dict[str, Any]]:
-    """The first `count` rows of the `builtin:<task>` stream drawn with `seed`."""
-    return list(itertools.islice(get_task(spec, field).prompts(seed), count))
+    """The first `count` rows of the `builtin:<task>` held-out stream (its prompt stream if it has none) drawn with
+    `seed`."""
+    task = get_task(spec, field)
+    return list(itertools.islice((task.held_out_prompts or task.prompts)(seed), count))
 
 
 class PromptStream:

@@ -1,0 +1,241 @@
+"""`builtin:reasoning_gym/<dataset>?<knob>=<value>&...`: any reasoning-gym dataset as a task (needs
+`pip install 'lit_rlhf[reasoning-gym]'`).
+
+The knobs are the fields of the dataset's config (`chain_sum?min_terms=2&max_terms=3&max_digits=2`), each value read
+as JSON (`true`, `3`, `[1, 2]`; anything that is not JSON is a string), plus `answer_format`: `tags` (the default:
+the answer is what the reply puts inside the last `<answer></answer>`) or `last_line` (the reply's last non-empty
+line). reasoning-gym's own `seed` and `size` are set from the stream's seed and cannot be knobs.
+
+Rows are chat rows: the dataset's question and the answer instruction as one user message, with the columns
+`rg_task` (the spec, which says how to rebuild the dataset), `rg_entry` (the dataset's item: question, answer,
+metadata) and `answer_format`. `score_answer` scores a reply with the dataset's own `score_answer` on the extracted
+answer; `solved` is 1 where that score is full marks (held-out exact accuracy); `answer_format_reward` is 1 where an
+answer could be extracted at all.
+
+**Held out by content.** reasoning-gym seeds item i with `seed + i`, so two nearby seeds share most items. Here a
+question belongs to the held-out share when the SHA-256 of its text falls in the lowest `HELD_OUT_SHARE` of the
+range: the training stream (`prompts`, any seed) skips those questions and the held-out stream
+(`held_out_prompts`) yields only them, each once. No held-out question is ever trained on, whatever the seeds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import json
+import random
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+from typing import Any
+
+from lit_rlhf.config import ConfigError
+from lit_rlhf.registry import Task, TaskFamily
+from lit_rlhf.tasks.text import make_row, text_policy, text_tokenizer
+
+FAMILY = "reasoning_gym"
+INSTALL = "pip install 'lit_rlhf[reasoning-gym]'"
+INSTRUCTIONS = {
+    "final": "Give the final answer on the last line.",
+    "tags": "Give only the final answer, between <answer> and </answer>.",
+    "last_line": "Give only the final answer, alone on the last line.",
+}
+"""What each prompt adds after the question to say how to answer, per `answer_format`."""
+OWN_KNOBS = ("answer_format",)
+RESERVED = ("seed", "size")
+HELD_OUT_SHARE = 0.125
+"""The share of distinct questions that only the held-out stream yields."""
+CHUNK = 1000
+"""Items per reasoning-gym dataset instance (some generate all their items up front)."""
+MAX_MISSES = 20_000
+"""Items drawn in a row without a usable one before a stream gives up (the knobs allow too few problems)."""
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_FINAL = re.compile(r"(?:=|\bis\b:?|\banswer:)((?:(?!=|\bis\b).)*)$", re.IGNORECASE)
+_DECORATION = " \t*$`.\"'"
+"""Stripped from around a 'final' answer: spaces, markdown emphasis and maths, a full stop, quotes."""
+
+
+def _registry() -> dict[str, Any]:
+    try:
+        from reasoning_gym.factory import DATASETS
+    except ImportError as err:
+        raise ConfigError(f"builtin:{FAMILY}/... needs the reasoning-gym package: {INSTALL}") from err
+    return DATASETS
+
+
+def parse_spec(spec: str, field: str) -> tuple[str, dict[str, Any], str]:
+    """'<dataset>?<knob>=<value>&...' -> (dataset, the dataset's knobs, answer_format), each checked."""
+    name, _, query = spec.partition("?")
+    datasets = _registry()
+    if name not in datasets:
+        close = difflib.get_close_matches(name, datasets, n=5, cutoff=0.5)
+        hint = f"close names: {', '.join(close)}" if close else f"one of {len(datasets)} such as {sorted(datasets)[:8]}"
+        raise ConfigError(f"{field}: reasoning-gym has no dataset {name!r}; {hint}")
+    knobs: dict[str, Any] = {}
+    for pair in query.split("&") if query else []:
+        key, has_value, text = pair.partition("=")
+        if not key or not has_value or key in knobs:
+            problem = "is given twice" if key in knobs else "is not <knob>=<value>"
+            raise ConfigError(f"{field}: {pair!r} in {spec!r} {problem}")
+        try:
+            knobs[key] = json.loads(text)
+        except ValueError:
+            knobs[key] = text
+    answer_format = knobs.pop("answer_format", "final")
+    if answer_format not in INSTRUCTIONS:
+        raise ConfigError(f"{field}: answer_format must be one of {sorted(INSTRUCTIONS)}, got {answer_format!r}")
+    allowed = sorted(f.name for f in fields(datasets[name][1]) if f.name not in RESERVED)
+    for key in knobs:
+        if key in RESERVED:
+            raise ConfigError(f"{field}: {key!r} is set by lit_rlhf from data.seed and the stream; drop it")
+        if key not in allowed:
+            raise ConfigError(f"{field}: {name} has no knob {key!r}; its knobs: {', '.join(allowed + list(OWN_KNOBS))}")
+    return name, knobs, answer_format
+
+
+def make_dataset(name: str, knobs: dict[str, Any], seed: int, field: str) -> Any:
+    """reasoning-gym's dataset `name` with `knobs`, `CHUNK` items from `seed`; a `ConfigError` for bad knobs."""
+    dataset_cls, config_cls = _registry()[name]
+    try:
+        config = config_cls(**knobs, seed=seed, size=CHUNK)
+        return dataset_cls(config=config)
+    except (AssertionError, TypeError, ValueError) as err:
+        raise ConfigError(f"{field}: {name} refuses the knobs {knobs}: {err or type(err).__name__}") from err
+
+
+def held_out(question: str) -> bool:
+    """Whether `question` is in the held-out share (by the SHA-256 of its text, whatever the seed)."""
+    digest = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big")
+    return digest < HELD_OUT_SHARE * 2**64
+
+
+def _items(name: str, knobs: dict[str, Any], seed: int, field: str) -> Iterator[dict[str, Any]]:
+    """An endless stream of items: chunk c comes from a dataset seeded from (seed, c)."""
+    chunk = 0
+    while True:
+        dataset = make_dataset(name, knobs, random.Random(f"{seed}:{chunk}").randrange(2**31), field)
+        yield from (dataset[i] for i in range(CHUNK))
+        chunk += 1
+
+
+def _rows(spec: str, seed: int, held: bool, field: str) -> Iterator[dict[str, Any]]:
+    """The items whose question is (`held`) or is not in the held-out share, as chat rows; held-out ones once each."""
+    name, knobs, answer_format = parse_spec(spec, field)
+    seen: set[str] = set()
+    misses = 0
+    for item in _items(name, knobs, seed, field):
+        question = item["question"]
+        if held_out(question) != held or (held and question in seen):
+            misses += 1
+            if misses >= MAX_MISSES:
+                kind = "new held-out" if held else "training"
+                raise ConfigError(
+                    f"{field}: builtin:{FAMILY}/{spec} gave no {kind} question in {MAX_MISSES} draws "
+                    f"({len(seen)} held-out so far): its knobs allow too few distinct problems; widen them"
+                    + (" or lower data.val_size" if held else "")
+                )
+            continue
+        misses = 0
+        if held:
+            seen.add(question)
+        text = f"{question}\n{INSTRUCTIONS[answer_format]}"
+        yield make_row(text, True, rg_task=spec, rg_entry=item, answer_format=answer_format)
+
+
+def _member(spec: str, field: str) -> Task:
+    """The task for '<dataset>?<knobs>', its spec and knob values checked now (before any model loads)."""
+    name, knobs, _ = parse_spec(spec, field)
+    make_dataset(name, knobs, 0, field)
+    return _task(spec)
+
+
+@functools.cache
+def _task(spec: str) -> Task:
+    return Task(
+        name=f"{FAMILY}/{spec}",
+        tokenizer=text_tokenizer,
+        policy=text_policy,
+        prompts=lambda seed: _rows(spec, seed, False, "data.prompts"),
+        held_out_prompts=lambda seed: _rows(spec, seed, True, "data.val_prompts"),
+    )
+
+
+FAMILY_ENTRY = TaskFamily(
+    name=FAMILY,
+    member=_member,
+    usage=f"builtin:{FAMILY}/<dataset>?<knob>=<value>&... (e.g. builtin:{FAMILY}/chain_sum?max_terms=3)",
+)
+
+
+# ------------------------------------------------------------------------------------------- rewards and metrics
+
+
+def extract(response: str, answer_format: str) -> str | None:
+    """The answer in `response`, stripped; None when there is none. 'tags': inside the last <answer></answer>;
+    'last_line': the last non-empty line; 'final': of that line, what follows its last '=', 'is' or 'answer:'
+    (all of it when it has none), without markdown emphasis, `$`, quotes or a final full stop."""
+    if answer_format == "tags":
+        found = _ANSWER_TAG.findall(response)
+        return found[-1].strip() if found else None
+    lines = [line.strip() for line in response.splitlines() if line.strip()]
+    if answer_format == "last_line":
+        return lines[-1] if lines else None
+    if answer_format == "final":
+        if not lines:
+            return None
+        match = _FINAL.search(lines[-1])
+        answer = (match.group(1) if match else lines[-1]).strip(_DECORATION)
+        return answer or None
+    raise ValueError(f"answer_format must be one of {sorted(INSTRUCTIONS)}, got {answer_format!r}")
+
+
+@functools.cache
+def _scorer(spec: str) -> Any:
+    name, knobs, _ = parse_spec(spec, "rg_task")
+    return make_dataset(name, knobs, 0, "rg_task")
+
+
+def _scores(responses: Sequence[str], rg_task: Sequence[str], rg_entry: Sequence[Any], fmt: Sequence[str]):
+    return [
+        float(_scorer(task).score_answer(extract(response, answer_format), entry))
+        for response, task, entry, answer_format in zip(responses, rg_task, rg_entry, fmt, strict=True)
+    ]
+
+
+def score_answer(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    rg_task: Sequence[str],
+    rg_entry: Sequence[Any],
+    answer_format: Sequence[str],
+    **meta: Any,
+) -> list[float]:
+    """The dataset's own `score_answer` of each reply's extracted answer (partial credit where it gives some)."""
+    return _scores(responses, rg_task, rg_entry, answer_format)
+
+
+def solved(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    rg_task: Sequence[str],
+    rg_entry: Sequence[Any],
+    answer_format: Sequence[str],
+    **meta: Any,
+) -> list[float]:
+    """1.0 where the dataset's `score_answer` gives full marks, else 0.0: exact accuracy."""
+    return [float(s >= 1.0) for s in _scores(responses, rg_task, rg_entry, answer_format)]
+
+
+def answer_format_reward(
+    prompts: Sequence[str], responses: Sequence[str], answer_format: Sequence[str], **meta: Any
+) -> list[float]:
+    """1.0 where the reply answers in the row's `answer_format`, else 0.0: a non-empty answer between
+    <answer></answer> ('tags'), or a reply of one non-empty line ('last_line', 'final')."""
+    return [float(_follows(r, f)) for r, f in zip(responses, answer_format, strict=True)]
+
+
+def _follows(response: str, answer_format: str) -> bool:
+    if answer_format in ("last_line", "final"):
+        return len([line for line in response.splitlines() if line.strip()]) == 1
+    return bool(extract(response, answer_format))
