@@ -175,6 +175,7 @@ class PlanSettings:
     half_precision: bool = False  # bf16-true / 16-true: 2-byte weights
     device: str = "cpu"
     processes_per_host: int = 1  # CPU processes share one RAM
+    max_staleness: int = 0  # > 0: a producer samples beside the update with its own copies of the weights
 
 
 @dataclass
@@ -191,10 +192,12 @@ class MemoryPlan:
     available: int | None = None
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
+    overlapped: bool = False  # asynchronous rollouts: sampling runs during the update, so both phases add up
 
     @property
     def total(self) -> int:
-        return self.phase("persistent") + max(self.phase("rollout"), self.phase("update"))
+        rollout, update = self.phase("rollout"), self.phase("update")
+        return self.phase("persistent") + (rollout + update if self.overlapped else max(rollout, update))
 
     def phase(self, name: str) -> int:
         """A phase's peak: the sum of its terms, except that backward frees the activations as it writes the
@@ -210,7 +213,8 @@ class MemoryPlan:
     def table(self) -> str:
         lines = [f"{'term':<40} {'phase':<10} {'MiB':>10}"]
         lines += [f"{t.name:<40} {t.phase:<10} {t.bytes / 2**20:>10.1f}" for t in self.terms]
-        lines.append(f"{'peak (persistent + max(rollout, update))':<51} {self.total / 2**20:>10.1f}")
+        peak = "persistent + rollout + update" if self.overlapped else "persistent + max(rollout, update)"
+        lines.append(f"{'peak (' + peak + ')':<51} {self.total / 2**20:>10.1f}")
         if self.available is not None:
             lines.append(f"{'available on ' + self.device:<51} {self.available / 2**20:>10.1f}")
         return "\n".join(lines + self.notes)
@@ -334,8 +338,26 @@ def plan_memory(s: PlanSettings, available: int | None = None) -> MemoryPlan:
         buckets = trainable * policy.element_bytes
         terms.append(Term("DDP gradient buckets", "persistent", buckets, "model.lora, or sharding"))
     terms += _phase_terms(s, shapes, trainable, shard)
+    if s.max_staleness:
+        terms += _producer_terms(s, policy)
     notes = [FSDP2_CPU_NOTE] if s.sharded and shard > 1 and s.device == "cpu" else []
-    return MemoryPlan(terms, available, s.device, notes)
+    return MemoryPlan(terms, available, s.device, notes, overlapped=s.max_staleness > 0)
+
+
+def _producer_terms(s: PlanSettings, policy: ModelShape) -> list[Term]:
+    """Asynchronous rollouts (docs/async.md): the producer samples with its own full copy of the policy, and each
+    step's jobs carry a copy of the trainable weights (LoRA: the adapters), up to max_staleness + 1 at once."""
+    adapters = policy.trainable if s.lora is not None else 0
+    fix = "model.algorithm.max_staleness (0: none), or model.lora (the job copies are then adapters only)"
+    return [
+        Term("the producer's copy of the policy", "persistent", (policy.params + adapters) * policy.element_bytes, fix),
+        Term(
+            f"weights of queued rollouts ({s.max_staleness + 1} copies)",
+            "persistent",
+            (s.max_staleness + 1) * policy.trainable * policy.element_bytes,
+            fix,
+        ),
+    ]
 
 
 def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int, shard: int) -> list[Term]:
@@ -406,6 +428,7 @@ def plan_settings(module: Any, prompts: Any, trainer: Any) -> PlanSettings:
         half_precision=str(trainer.precision) in ("bf16-true", "16-true"),
         device=device,
         processes_per_host=trainer.num_devices if device == "cpu" else 1,
+        max_staleness=algo.max_staleness,
     )
 
 

@@ -116,3 +116,38 @@ def test_ddp_adds_its_gradient_buckets_and_fsdp2_on_cpu_is_marked_a_lower_bound(
     fsdp2 = plan_memory(PlanSettings(policy="builtin:digits", world_size=2, sharded=True))
     assert "DDP gradient buckets" not in terms(fsdp2) and "a lower bound" in fsdp2.table()
     assert "lower bound" not in ddp.table()
+
+
+def test_asynchronous_rollouts_add_the_producers_copies_and_overlap_the_phases():
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    real = sum(p.numel() for p in builtin_policy().parameters())
+    sync = plan_memory(PlanSettings(policy="builtin:digits"))
+    two_ahead = plan_memory(PlanSettings(policy="builtin:digits", max_staleness=2))
+    added = {name: size for name, size in terms(two_ahead).items() if name not in terms(sync)}
+    # a full fp32 copy the producer samples with, and one copy of the trainable weights per queued step (k + 1)
+    assert added == {"the producer's copy of the policy": real * 4, "weights of queued rollouts (3 copies)": 3 * real * 4}
+    rollout, update = two_ahead.phase("rollout"), two_ahead.phase("update")
+    assert two_ahead.total == two_ahead.phase("persistent") + rollout + update  # sampling runs during the update
+    assert sync.total == sync.phase("persistent") + max(sync.phase("rollout"), sync.phase("update"))
+    assert "persistent + rollout + update" in two_ahead.table()
+
+
+def test_asynchronous_rollouts_with_lora_queue_copies_of_the_adapters_only():
+    pytest.importorskip("peft")
+    from lit_rlhf.models.lora import apply_lora
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    model = apply_lora(builtin_policy(), {"r": 4})
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    plan = terms(plan_memory(PlanSettings(policy="builtin:digits", lora={"r": 4}, max_staleness=1)))
+    assert plan["weights of queued rollouts (2 copies)"] == 2 * adapters * 4
+    assert plan["the producer's copy of the policy"] == sum(p.numel() for p in model.parameters()) * 4
+
+
+def test_the_module_hands_its_staleness_to_the_plan():
+    module = RLHFModule(
+        policy="builtin:digits", reward_fns=[REWARD], algorithm=AlgorithmConfig(name="grpo", max_staleness=1)
+    )
+    settings = memory_plan.plan_settings(module, None, make_trainer(1))
+    assert settings.max_staleness == 1
