@@ -8,7 +8,11 @@ The server is pinned to CPU core 0 and training to core 1 (`os.sched_setaffinity
 overlap only with max_staleness > 0. Each (staleness, seed) is one fit of `--rollouts` rollouts through the server
 (`sampling.vllm.mode: server`), then the held-out exact accuracy on the 200 validation problems (greedy, through
 the same server). It prints, per run, the mean seconds per step after the first (the first also pushes the first
-weights), rollouts per hour, the ratio to staleness 0 of the same seed, and the held-out accuracy.
+weights), rollouts per hour, the ratio to staleness 0 of the same seed, and the held-out accuracy; then where the
+time of a step goes (means over the steps after the first, from the module's `time/*` metrics): `rollout` (with
+staleness 0: pushing the weights, sampling and scoring; else mostly the wait for the producer),
+`generate` (sampling alone, on the producer's thread when staleness > 0), `evaluate` (reference and old log-probs)
+and `update`.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
-def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[float], float]:
-    """One fit; (seconds per step, held-out exact accuracy)."""
+PHASES = ("time/rollout_s", "time/generate_s", "time/evaluate_s", "time/update_s")
+
+
+def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[float], float, dict[str, float]]:
+    """One fit; (seconds per step, held-out exact accuracy, mean seconds of each phase after the first step)."""
     import lightning as L
 
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
@@ -32,12 +39,14 @@ def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[fl
     class Times(L.Callback):
         def __init__(self) -> None:
             self.seconds: list[float] = []
+            self.phases: list[dict[str, float]] = []
 
         def on_train_batch_start(self, *args: object) -> None:
             self.start = time.perf_counter()
 
-        def on_train_batch_end(self, *args: object) -> None:
+        def on_train_batch_end(self, trainer: L.Trainer, module: RLHFModule, *args: object) -> None:
             self.seconds.append(time.perf_counter() - self.start)
+            self.phases.append({name: module.step_metrics[name] for name in PHASES})
 
     L.seed_everything(seed, verbose=False)
     exact = "lit_rlhf.rewards.verifiable.exact_answer"
@@ -64,7 +73,8 @@ def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[fl
     )  # fmt: skip
     trainer.fit(module, data)
     accuracy = trainer.validate(module, data, verbose=False)[0]["val/exact_answer"]
-    return times.seconds, float(accuracy)
+    phases = {name: statistics.mean(step[name] for step in times.phases[1:]) for name in PHASES}
+    return times.seconds, float(accuracy), phases
 
 
 def main() -> None:
@@ -88,18 +98,22 @@ def main() -> None:
         try:
             for seed in args.seeds:
                 for k in args.staleness:
-                    seconds, accuracy = run(k, seed, args.rollouts, url, args.model)
-                    rows.append((k, seed, statistics.mean(seconds[1:]), seconds[0], accuracy))
+                    seconds, accuracy, phases = run(k, seed, args.rollouts, url, args.model)
+                    rows.append((k, seed, statistics.mean(seconds[1:]), seconds[0], accuracy, phases))
                     print(f"staleness {k} seed {seed}: {rows[-1][2]:.2f} s/step, held-out {accuracy:.3f}", flush=True)
         finally:
             server.terminate()
             server.wait(60)
-    base = {seed: step for k, seed, step, _, _ in rows if k == 0}
+    base = {seed: step for k, seed, step, *_ in rows if k == 0}
     print("\n| max_staleness | seed | s/step (after the 1st) | 1st step s | rollouts/hour | vs 0 | held-out exact |")
     print("|---|---|---|---|---|---|---|")
-    for k, seed, step, first, accuracy in rows:
+    for k, seed, step, first, accuracy, _ in rows:
         ratio = f"{base[seed] / step:.2f}x" if seed in base else ""
         print(f"| {k} | {seed} | {step:.2f} | {first:.2f} | {3600 / step:.0f} | {ratio} | {accuracy:.3f} |")
+    print("\n| max_staleness | seed | rollout s | generate s | evaluate s | update s |")
+    print("|---|---|---|---|---|---|")
+    for k, seed, *_, phases in rows:
+        print(f"| {k} | {seed} | " + " | ".join(f"{phases[name]:.2f}" for name in PHASES) + " |")
 
 
 if __name__ == "__main__":
