@@ -50,5 +50,5 @@ def test_ppo_config_raises_the_reward(seed):
     make_trainer(STEPS).fit(module, RolloutDataModule(**data))
     assert len(scores.means) == STEPS
     before, after = statistics.fmean(scores.means[:20]), statistics.fmean(scores.means[-20:])
-    # a random policy scores about 0.05; measured with the shipped config: seed 0 0.047 -> 0.130, seed 1 0.040 -> 0.121
+    # a random policy scores about 0.05; measured with the shipped config: seed 0 0.046 -> 0.125, seed 1 0.039 -> 0.117
     assert after > before + 0.05, (before, after)

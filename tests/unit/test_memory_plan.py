@@ -126,7 +126,8 @@ def test_asynchronous_rollouts_add_the_producers_copies_and_overlap_the_phases()
     two_ahead = plan_memory(PlanSettings(policy="builtin:digits", max_staleness=2))
     added = {name: size for name, size in terms(two_ahead).items() if name not in terms(sync)}
     # a full fp32 copy the producer samples with, and one copy of the trainable weights per queued step (k + 1)
-    assert added == {"the producer's copy of the policy": real * 4, "weights of queued rollouts (3 copies)": 3 * real * 4}
+    expected = {"the producer's copy of the policy": real * 4, "weights of queued rollouts (3 copies)": 3 * real * 4}
+    assert added == expected
     rollout, update = two_ahead.phase("rollout"), two_ahead.phase("update")
     assert two_ahead.total == two_ahead.phase("persistent") + rollout + update  # sampling runs during the update
     assert sync.total == sync.phase("persistent") + max(sync.phase("rollout"), sync.phase("update"))
