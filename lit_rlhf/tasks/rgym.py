@@ -2,15 +2,16 @@
 `pip install 'lit_rlhf[reasoning-gym]'`).
 
 The knobs are the fields of the dataset's config (`chain_sum?min_terms=2&max_terms=3&max_digits=2`), each value read
-as JSON (`true`, `3`, `[1, 2]`; anything that is not JSON is a string), plus `answer_format`: `tags` (the default:
-the answer is what the reply puts inside the last `<answer></answer>`) or `last_line` (the reply's last non-empty
-line). reasoning-gym's own `seed` and `size` are set from the stream's seed and cannot be knobs.
+as JSON (`true`, `3`, `[1, 2]`; anything that is not JSON is a string), plus `answer_format`: `final` (the default:
+the answer is what the last line gives after its last `=`, `is` or `answer:`), `tags` (inside the reply's last
+`<answer></answer>`) or `last_line` (the reply's last non-empty line). reasoning-gym's own `seed` and `size` are set
+from the stream's seed and cannot be knobs.
 
 Rows are chat rows: the dataset's question and the answer instruction as one user message, with the columns
 `rg_task` (the spec, which says how to rebuild the dataset), `rg_entry` (the dataset's item: question, answer,
 metadata) and `answer_format`. `score_answer` scores a reply with the dataset's own `score_answer` on the extracted
-answer; `solved` is 1 where that score is full marks (held-out exact accuracy); `answer_format_reward` is 1 where an
-answer could be extracted at all.
+answer; `solved` is 1 where that score is full marks (held-out exact accuracy); `answer_format_reward` is 1 for a
+reply in the asked format (one non-empty line for `final` and `last_line`, a non-empty tagged answer for `tags`).
 
 **Held out by content.** reasoning-gym seeds item i with `seed + i`, so two nearby seeds share most items. Here a
 question belongs to the held-out share when the SHA-256 of its text falls in the lowest `HELD_OUT_SHARE` of the
