@@ -92,6 +92,10 @@ def run_seeds(args: argparse.Namespace) -> None:
             log.close()
             del running[seed]
             if proc.returncode:
+                for other, other_log, _ in running.values():  # no run left training after the script stops
+                    other.terminate()
+                    other.wait()
+                    other_log.close()
                 raise SystemExit(f"seed {seed} failed (exit {proc.returncode}); see {args.out}/seed{seed}/train.log")
             with open(os.path.join(args.out, f"seed{seed}", "wall_s.txt"), "w") as handle:
                 handle.write(f"{time.time() - start:.1f}\n")
