@@ -112,6 +112,7 @@ def page_scripts(tmp_path: Path) -> tuple[str, str]:
 
 
 def test_the_lit_rlhf_translation_of_trls_quick_start_runs(tmp_path, monkeypatch):
+    pytest.importorskip("datasets", reason="the page's script loads its data with datasets (pip install -e '.[data]')")
     _, ours = page_scripts(tmp_path)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
