@@ -87,7 +87,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from vllm_server import start_server  # scripts/vllm_server.py
+    from vllm_server import start_server, stop_server  # scripts/vllm_server.py
 
     os.sched_setaffinity(0, {0})  # the server inherits core 0
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
@@ -102,8 +102,7 @@ def main() -> None:
                     rows.append((k, seed, statistics.mean(seconds[1:]), seconds[0], accuracy, phases))
                     print(f"staleness {k} seed {seed}: {rows[-1][2]:.2f} s/step, held-out {accuracy:.3f}", flush=True)
         finally:
-            server.terminate()
-            server.wait(60)
+            stop_server(server)
     base = {seed: step for k, seed, step, *_ in rows if k == 0}
     print("\n| max_staleness | seed | s/step (after the 1st) | 1st step s | rollouts/hour | vs 0 | held-out exact |")
     print("|---|---|---|---|---|---|---|")

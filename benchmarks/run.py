@@ -383,20 +383,19 @@ def trl_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
 @contextlib.contextmanager
 def vllm_server(job: dict[str, Any]) -> Any:
     """`job`, and for a job with `vllm: {mode: server}` a vLLM server of its model on localhost while it runs (its
-    address in the job's vLLM settings), killed after."""
+    address in the job's vLLM settings), stopped with its engine after."""
     if job.get("vllm", {}).get("mode") != "server":
         yield job
         return
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from vllm_server import start_server
+    from vllm_server import start_server, stop_server
 
     with open(os.devnull, "w") as log:
         process, url = start_server(job["folder"], log)
         try:
             yield dict(job, vllm=dict(job["vllm"], server_url=url))
         finally:
-            process.kill()
-            process.wait()
+            stop_server(process)
 
 
 def ours_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:

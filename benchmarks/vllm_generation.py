@@ -36,7 +36,7 @@ def main() -> None:
     from lit_rlhf.rollout.backends.registry import make_backend
     from lit_rlhf.types import PromptBatch
     from run import w4_prompts  # benchmarks/run.py: W4's chat prompts
-    from vllm_server import start_server  # scripts/vllm_server.py
+    from vllm_server import start_server, stop_server  # scripts/vllm_server.py
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
@@ -66,8 +66,7 @@ def main() -> None:
                         times[name].append(time.perf_counter() - start)
                         tokens[name].append(int(gen.response_mask.sum()))
         finally:
-            server.kill()
-            server.wait()
+            stop_server(server)
     lean = statistics.median(t / n for t, n in zip(times["lean"], tokens["lean"], strict=True))
     print("| backend | s per batch (median) | tokens per batch (median) | tokens/s | speed vs lean |")
     print("|---|---|---|---|---|")

@@ -11,7 +11,9 @@ log-probs after the temperature. Tests and benchmarks start it through `start_se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -48,7 +50,9 @@ def start_server(
 ) -> tuple[subprocess.Popen, str]:
     """A server process on localhost and its address, once `/health` answers (else it is killed and this raises)."""
     port = port or free_port()
-    process = subprocess.Popen(server_command(model, port), env=server_env(), stdout=log, stderr=subprocess.STDOUT)
+    command, env = server_command(model, port), server_env()
+    # a session of its own: stop_server signals the engine processes the server starts too
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -59,8 +63,20 @@ def start_server(
                 return process, url
         except OSError:
             time.sleep(1)
-    process.kill()
+    stop_server(process)
     raise RuntimeError(f"the vLLM server did not answer /health within {wait_s:g} s; see its log {log.name}")
+
+
+def stop_server(process: subprocess.Popen, wait_s: float = 60) -> None:
+    """Stop a server from `start_server` with its engine processes: SIGTERM to its process group (the server stops
+    its engine before it exits), then SIGKILL to whatever is left of the group. Killing the server alone orphans
+    the engine and its worker, each holding the model and its KV cache."""
+    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(wait_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def main() -> None:
