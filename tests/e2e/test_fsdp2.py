@@ -21,12 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import lit_rlhf
+
 pytestmark = pytest.mark.slow  # end-to-end: several processes
 
 SCRIPT = Path(__file__).with_name("fsdp2_run.py")
 # Adam at lr 1e-2 amplifies the summation-order differences of reduce-scatter against all-reduce in coordinates
 # whose gradient is near 0; each step moves a weight by up to ~1e-2, so 1e-3 still tells a wrong update apart.
 TOLERANCE = 1e-3
+SOURCE = Path(lit_rlhf.__file__).resolve().parents[1]  # the ranks import the lit_rlhf this test imported
 
 
 def free_port() -> int:
@@ -37,6 +40,7 @@ def free_port() -> int:
 
 def run(strategy: str, out: Path, *options: str) -> None:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE), os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *options]
     procs = [
         subprocess.Popen(
