@@ -1,6 +1,6 @@
 """FSDP2 helpers on a one-process gloo group: generation keeps the policy unsharded for the whole rollout
-(no all-gather per decoding step), and it is resharded afterwards; a sharded LoRA policy's export gathers its
-adapters (merged or adapters only)."""
+(no all-gather per decoding step), and it is resharded afterwards; a sharded LoRA policy keeps its adapter-disabled
+reference, its generations and its exports (merged or adapters only)."""
 
 from __future__ import annotations
 
@@ -86,9 +86,6 @@ def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
     from lit_rlhf.config import ConfigError
     from lit_rlhf.training.sharding import shard_module_models
 
-    with pytest.raises(ConfigError, match="model.lora: LoRA under ModelParallelStrategy"):
-        shard_module_models(SimpleNamespace(hparams={"lora": {"r": 4}}), True)
-
     class Mesh:
         ndim = 2
 
@@ -170,6 +167,38 @@ def trained_lora_policy(r: int = 4) -> torch.nn.Module:
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     return policy
+
+
+def test_the_adapter_disabled_reference_of_a_sharded_lora_policy_is_the_base_model(one_process_group):
+    from lit_rlhf.models.lora import AdapterDisabledReference
+
+    policy = trained_lora_policy()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        with policy.disable_adapter():
+            base = policy(ids).logits
+        adapted = policy(ids).logits
+    assert not torch.allclose(base, adapted)
+    reference = AdapterDisabledReference(policy)
+    shard_model(policy, None)
+    assert is_sharded(policy)
+    with torch.no_grad():
+        torch.testing.assert_close(reference(ids).logits, base)
+        torch.testing.assert_close(policy(ids).logits, adapted)  # the adapters are on again after it
+
+
+def test_a_sharded_lora_policy_generates_as_unsharded(one_process_group):
+    from lit_rlhf import RLHFModule
+
+    module = RLHFModule(
+        policy=trained_lora_policy(),
+        tokenizer="builtin:digits",
+        reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
+    )
+    prompts = ["312>", "9051>", "77>"]
+    expected = module.generate(prompts)  # greedy
+    shard_model(module.actor_critic.policy, None)
+    assert module.generate(prompts) == expected
 
 
 def test_a_gathered_lora_policy_keeps_every_adapter_its_settings_and_the_active_one(one_process_group):
