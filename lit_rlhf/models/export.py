@@ -351,6 +351,8 @@ def save_module_policy(module: Any, folder: str, merge_lora: bool = True, overwr
         policy = gathered_copy(policy)
         if policy is None:  # not global rank 0: it took part in the gather, rank 0 writes
             return None
+        if has_adapters(policy) and merge_lora:  # the gathered copy is ours: merged in place, not copied again
+            policy = policy.merge_and_unload()  # type: ignore[operator]  # peft method
     sampling = getattr(module, "sampling", None)
     settings = generation_settings(sampling) if isinstance(sampling, SamplingConfig) else None
     return save_policy(policy, module.tokenizer, folder, merge_lora, settings, overwrite)

@@ -58,7 +58,7 @@ LOGIT_COPIES = 4
 class ModelShape:
     """What the plan needs of one model, read from its config and a `meta`-device build."""
 
-    params: int
+    params: int  # with LoRA: the base weights and the adapters
     trainable: int  # with LoRA: the adapters only
     element_bytes: int
     layers: int
@@ -278,7 +278,7 @@ def model_shapes(s: PlanSettings) -> dict[str, ModelShape]:
         policy = meta_model(s.policy, "model.policy", "causal", s.trust_remote_code)
         shapes = {"policy": shape_of(policy, size)}
         if s.lora is not None:
-            shapes["policy"] = _with_trainable(shapes["policy"], lora_trainable(policy, s.lora))
+            shapes["policy"] = _with_adapters(shapes["policy"], lora_trainable(policy, s.lora))
         if s.uses_reference and s.lora is None:
             reference = policy if s.reference is None else meta_model(s.reference, "model.reference", "causal", False)
             shapes["reference"] = shape_of(reference, size)
@@ -290,10 +290,12 @@ def model_shapes(s: PlanSettings) -> dict[str, ModelShape]:
     return shapes
 
 
-def _with_trainable(shape: ModelShape, trainable: int) -> ModelShape:
+def _with_adapters(shape: ModelShape, adapters: int) -> ModelShape:
+    """The base model's shape with `adapters` LoRA parameters added: they are held (and sharded) beside the base
+    weights, and are all that trains."""
     from dataclasses import replace
 
-    return replace(shape, trainable=trainable)
+    return replace(shape, params=shape.params + adapters, trainable=adapters)
 
 
 FSDP2_CPU_NOTE = (
@@ -347,10 +349,9 @@ def plan_memory(s: PlanSettings, available: int | None = None) -> MemoryPlan:
 def _producer_terms(s: PlanSettings, policy: ModelShape) -> list[Term]:
     """Asynchronous rollouts (docs/async.md): the producer samples with its own full copy of the policy, and each
     step's jobs carry a copy of the trainable weights (LoRA: the adapters), up to max_staleness + 1 at once."""
-    adapters = policy.trainable if s.lora is not None else 0
     fix = "model.algorithm.max_staleness (0: none), or model.lora (the job copies are then adapters only)"
     return [
-        Term("the producer's copy of the policy", "persistent", (policy.params + adapters) * policy.element_bytes, fix),
+        Term("the producer's copy of the policy", "persistent", policy.weight_bytes, fix),
         Term(
             f"weights of queued rollouts ({s.max_staleness + 1} copies)",
             "persistent",

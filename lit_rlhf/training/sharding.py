@@ -60,12 +60,8 @@ def shard_module_models(module: Any, shard_frozen: bool) -> None:
     """`fully_shard` the policy (blocks, then root), a separate critic the same way, the value head as its own
     unit, and the frozen reference and reward model when `shard_frozen` (else each rank keeps a full copy). The
     actor-critic itself is not a unit: sampling runs the policy alone, and FSDP2 wants a unit's first forward to
-    come through its root."""
-    if module.hparams.get("lora") is not None:
-        raise ConfigError(
-            "model.lora: LoRA under ModelParallelStrategy (FSDP2) is not supported yet; use strategy: ddp, or "
-            "full fine-tuning under FSDP2"
-        )
+    come through its root. A LoRA policy (a peft model) is sharded the same way: each block's unit holds its frozen
+    weights and its adapters, and the adapter-disabled reference runs the sharded policy."""
     if module.device_mesh.ndim > 1 and module.device_mesh["tensor_parallel"].size() > 1:
         raise ConfigError(
             "trainer.strategy: ModelParallelStrategy with tensor_parallel_size > 1 is not supported; set "

@@ -3,7 +3,8 @@ the full weights after it (`<out>/<tag>.pt`, `<tag>` defaulting to the strategy)
 `tests/e2e/test_fsdp2.py` starts both ranks with LOCAL_RANK, MASTER_PORT, ... set (as torchrun would).
 
 --checkpoints DIR saves a checkpoint after every step (FSDP2: a distributed checkpoint folder per step),
---resume PATH resumes from one, --export DIR adds a `SavePolicy(DIR)` callback.
+--resume PATH resumes from one, --export DIR adds a `SavePolicy(DIR)` callback (--adapter-export DIR: one with
+merge_lora=False), --lora trains LoRA adapters (the reference: the policy with the adapters off).
 """
 
 from __future__ import annotations
@@ -74,8 +75,12 @@ def main() -> None:
     parser.add_argument("--checkpoints", help="save a checkpoint after every step into this folder")
     parser.add_argument("--resume", help="a checkpoint to resume from")
     parser.add_argument("--export", help="a SavePolicy folder")
+    parser.add_argument("--adapter-export", help="a SavePolicy folder of the LoRA adapters (merge_lora=False)")
     parser.add_argument("--validate", action="store_true", help="after the fit, validate on 4 prompts, then on 3")
     parser.add_argument("--full-checkpoints", action="store_true", help="FSDP2: full checkpoints, AtomicCheckpointIO")
+    parser.add_argument(
+        "--lora", action="store_true", help="train LoRA adapters (r 4, alpha 8) instead of every weight"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     tag = args.tag or args.strategy
@@ -87,6 +92,7 @@ def main() -> None:
         algorithm=algorithm,
         sampling=SamplingConfig(max_new_tokens=5),
         lr=1e-2,
+        lora={"r": 4, "alpha": 8} if args.lora else None,
     )
     data = RolloutDataModule(prompts="builtin:digits", batch_size=2, max_prompt_length=16)
     if args.strategy == "fsdp2":
@@ -103,6 +109,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.checkpoints, every_n_train_steps=1, save_top_k=-1))
     if args.export:
         callbacks.append(SavePolicy(args.export))
+    if args.adapter_export:
+        callbacks.append(SavePolicy(args.adapter_export, merge_lora=False))
     trainer = L.Trainer(
         max_steps=args.rollouts,
         accelerator="cpu",
@@ -122,7 +130,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     if trainer.global_rank == 0:
         torch.save(state, os.path.join(args.out, f"{tag}.pt"))
-    record: dict = {"seconds": seconds, "global_step": trainer.global_step}
+    optimized = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+    record: dict = {
+        "seconds": seconds,
+        "global_step": trainer.global_step,
+        "optimized": {"tensors": len(optimized), "dtensors": sum(hasattr(p, "full_tensor") for p in optimized)},
+    }
     if args.validate:
         record["validate"] = validate(trainer, module)
     with open(os.path.join(args.out, f"{tag}_rank{trainer.global_rank}.json"), "w") as f:

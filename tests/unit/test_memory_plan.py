@@ -55,6 +55,22 @@ def test_sharding_divides_weights_gradients_and_optimizer_by_the_world_size():
     assert "policy unsharded while sampling" in two
 
 
+def test_lora_under_sharding_counts_the_adapters_with_the_weights_and_divides_both():
+    pytest.importorskip("peft")
+    from lit_rlhf.models.lora import apply_lora
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    model = apply_lora(builtin_policy(), {"r": 4})
+    total = sum(p.numel() for p in model.parameters())  # base weights and adapters
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    one = terms(plan_memory(PlanSettings(policy="builtin:digits", lora={"r": 4})))
+    two = terms(plan_memory(PlanSettings(policy="builtin:digits", lora={"r": 4}, world_size=2, sharded=True)))
+    assert one["policy weights"] == total * 4
+    assert two["policy weights"] == total * 4 // 2
+    assert two["gradients"] == adapters * 4 // 2 and two["optimizer state (AdamW, fp32)"] == 2 * 4 * adapters // 2
+    assert two["policy unsharded while sampling"] == total * 4 - total * 4 // 2
+
+
 def test_gradient_checkpointing_and_micro_batches_shrink_the_activations():
     base = dict(policy="builtin:digits", prompts_per_device=8, group_size=4, prompt_tokens=16, new_tokens=8)
     full = plan_memory(PlanSettings(**base))

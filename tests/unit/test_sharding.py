@@ -1,8 +1,10 @@
 """FSDP2 helpers on a one-process gloo group: generation keeps the policy unsharded for the whole rollout
-(no all-gather per decoding step), and it is resharded afterwards."""
+(no all-gather per decoding step), and it is resharded afterwards; a sharded LoRA policy keeps its adapter-disabled
+reference, its generations and its exports (merged or adapters only)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 
@@ -84,9 +86,6 @@ def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
     from lit_rlhf.config import ConfigError
     from lit_rlhf.training.sharding import shard_module_models
 
-    with pytest.raises(ConfigError, match="model.lora: LoRA under ModelParallelStrategy"):
-        shard_module_models(SimpleNamespace(hparams={"lora": {"r": 4}}), True)
-
     class Mesh:
         ndim = 2
 
@@ -154,3 +153,109 @@ def test_uneven_held_out_batches_under_fsdp2_are_refused_on_every_rank():
     module.check_even_held_out_batches([2], "val")  # as many batches on each rank
     module._trainer = SimpleNamespace(strategy=SimpleNamespace(), world_size=2)  # DDP: no collective per batch
     module.check_even_held_out_batches([3], "val")
+
+
+def trained_lora_policy(r: int = 4) -> torch.nn.Module:
+    """The built-in GPT-2 with LoRA adapters whose B matrices are no longer 0 (as after training)."""
+    from lit_rlhf.models.lora import apply_lora
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    torch.manual_seed(0)
+    policy = apply_lora(builtin_policy(), {"r": r})
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return policy
+
+
+def test_the_adapter_disabled_reference_of_a_sharded_lora_policy_is_the_base_model(one_process_group):
+    from lit_rlhf.models.lora import AdapterDisabledReference
+
+    policy = trained_lora_policy()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        with policy.disable_adapter():
+            base = policy(ids).logits
+        adapted = policy(ids).logits
+    assert not torch.allclose(base, adapted)
+    reference = AdapterDisabledReference(policy)
+    shard_model(policy, None)
+    assert is_sharded(policy)
+    with torch.no_grad():
+        torch.testing.assert_close(reference(ids).logits, base)
+        torch.testing.assert_close(policy(ids).logits, adapted)  # the adapters are on again after it
+
+
+def test_a_sharded_lora_policy_generates_as_unsharded(one_process_group):
+    from lit_rlhf import RLHFModule
+
+    module = RLHFModule(
+        policy=trained_lora_policy(),
+        tokenizer="builtin:digits",
+        reward_fns=["lit_rlhf.tasks.digits.sort_digits_reward"],
+    )
+    prompts = ["312>", "9051>", "77>"]
+    expected = module.generate(prompts)  # greedy
+    shard_model(module.actor_critic.policy, None)
+    assert module.generate(prompts) == expected
+
+
+def test_a_gathered_lora_policy_keeps_every_adapter_its_settings_and_the_active_one(one_process_group):
+    from lit_rlhf.models.full_weights import gathered_copy
+    from lit_rlhf.models.lora import lora_config
+
+    policy = trained_lora_policy()
+    policy.add_adapter("second", lora_config({"r": 2}))
+    policy.peft_config["default"].base_model_name_or_path = "org/base"  # not the config's name: kept as it is
+    policy.set_adapter("second")
+    expected = {k: v.clone() for k, v in policy.state_dict().items()}
+    configs = {name: config.to_dict() for name, config in policy.peft_config.items()}
+    shard_model(policy, None)
+    plain = gathered_copy(policy)
+    assert type(plain).__name__ == "PeftModelForCausalLM" and not is_sharded(plain)
+    assert sorted(plain.state_dict()) == sorted(expected)
+    assert all(torch.equal(plain.state_dict()[k], expected[k]) for k in expected)
+    assert {name: config.to_dict() for name, config in plain.peft_config.items()} == configs
+    assert plain.active_adapter == "second"
+
+
+@pytest.mark.parametrize("merge_lora", [True, False])
+def test_save_policy_of_a_sharded_lora_policy_writes_the_unsharded_export(one_process_group, tmp_path, merge_lora):
+    from types import SimpleNamespace
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lit_rlhf.models.export import save_module_policy
+    from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
+
+    policy = trained_lora_policy()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        expected = policy(ids).logits
+    unsharded = SimpleNamespace(actor_critic=SimpleNamespace(policy=policy), tokenizer=builtin_tokenizer())
+    save_module_policy(unsharded, str(tmp_path / "unsharded"), merge_lora)
+    base = {k: v.clone() for k, v in policy.get_base_model().state_dict().items() if "lora_" not in k}
+    shard_model(policy, None)
+    module = SimpleNamespace(actor_critic=SimpleNamespace(policy=policy), tokenizer=unsharded.tokenizer)
+    path = save_module_policy(module, str(tmp_path / "sharded"), merge_lora)
+    names = sorted(p.name for p in (tmp_path / "unsharded").iterdir())
+    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == names
+    weights = "model.safetensors" if merge_lora else "adapter_model.safetensors"
+    want, got = load_file(tmp_path / "unsharded" / weights), load_file(tmp_path / "sharded" / weights)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    if merge_lora:
+        loaded = AutoModelForCausalLM.from_pretrained(path)
+        assert type(loaded).__name__ == "GPT2LMHeadModel"
+    else:
+        configs = [json.loads((tmp_path / f / "adapter_config.json").read_text()) for f in ("unsharded", "sharded")]
+        for config in configs:
+            config["target_modules"] = sorted(config["target_modules"])  # a set: written in its iteration order
+        assert configs[0] == configs[1]
+        plain = builtin_policy()
+        plain.load_state_dict({k.replace(".base_layer", ""): v for k, v in base.items()})
+        loaded = PeftModel.from_pretrained(plain, path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, expected)
