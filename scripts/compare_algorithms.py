@@ -57,10 +57,15 @@ def save_run_config(settings: dict, out: str, every: int) -> str:
     return path
 
 
-def read_metrics(out: str) -> list[dict[str, str]]:
+def latest_log(out: str) -> str:
+    """The newest `version_N` folder a CSVLogger with save_dir `out` wrote."""
     folder = os.path.join(out, "lightning_logs")
     version = sorted(os.listdir(folder), key=lambda name: int(name.split("_")[1]))[-1]
-    with open(os.path.join(folder, version, "metrics.csv")) as handle:
+    return os.path.join(folder, version)
+
+
+def read_metrics(out: str) -> list[dict[str, str]]:
+    with open(os.path.join(latest_log(out), "metrics.csv")) as handle:
         return list(csv.DictReader(handle))
 
 

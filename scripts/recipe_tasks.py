@@ -18,7 +18,6 @@ the optimizer steps done; then two held-out replies of the first seed's final we
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -27,6 +26,8 @@ import time
 from typing import Any
 
 import yaml
+
+from compare_algorithms import latest_log, read_metrics  # scripts/ is on the path when run as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "configs", "smollm2_recipe.yaml")
@@ -70,15 +71,8 @@ def run_config(task: str, seed: int, minutes: int, out: str, checkpoint: bool) -
     return path
 
 
-def latest_log(out: str) -> str:
-    folder = os.path.join(out, "lightning_logs")
-    version = sorted(os.listdir(folder), key=lambda name: int(name.split("_")[1]))[-1]
-    return os.path.join(folder, version)
-
-
 def metric(out: str, key: str) -> list[float]:
-    with open(os.path.join(latest_log(out), "metrics.csv")) as handle:
-        return [float(row[key]) for row in csv.DictReader(handle) if row.get(key)]
+    return [float(row[key]) for row in read_metrics(out) if row.get(key)]
 
 
 def jobs(args: argparse.Namespace) -> list[tuple[str, list[list[str]]]]:
