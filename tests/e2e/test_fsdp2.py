@@ -155,6 +155,7 @@ def test_full_checkpoints_written_by_atomic_checkpoint_io_resume_exactly(grpo_ru
 def lora_run(tmp_path_factory) -> Path:
     """3 GRPO steps of LoRA adapters under FSDP2 (a distributed checkpoint after each) and under DDP, each with
     `SavePolicy` exports merged and of the adapters only."""
+    pytest.importorskip("peft")  # the lora extra; the README installs only .[dev]
     out = tmp_path_factory.mktemp("fsdp2_lora")
     for strategy in ("fsdp2", "ddp"):
         exports = ["--export", str(out / f"{strategy}_merged"), "--adapter-export", str(out / f"{strategy}_adapters")]

@@ -157,6 +157,7 @@ def test_uneven_held_out_batches_under_fsdp2_are_refused_on_every_rank():
 
 def trained_lora_policy(r: int = 4) -> torch.nn.Module:
     """The built-in GPT-2 with LoRA adapters whose B matrices are no longer 0 (as after training)."""
+    pytest.importorskip("peft")  # the lora extra; the README installs only .[dev]
     from lit_rlhf.models.lora import apply_lora
     from lit_rlhf.tasks.digits import builtin_policy
 
@@ -224,7 +225,7 @@ def test_a_gathered_lora_policy_keeps_every_adapter_its_settings_and_the_active_
 def test_save_policy_of_a_sharded_lora_policy_writes_the_unsharded_export(one_process_group, tmp_path, merge_lora):
     from types import SimpleNamespace
 
-    from peft import PeftModel
+    PeftModel = pytest.importorskip("peft").PeftModel  # the lora extra; the README installs only .[dev]
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
