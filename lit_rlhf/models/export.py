@@ -348,6 +348,7 @@ def save_module_policy(module: Any, folder: str, merge_lora: bool = True, overwr
         )
     policy = module.actor_critic.policy
     if is_sharded(policy):
+        check_target(folder, overwrite)  # on every rank, before the gather: not on rank 0 alone after it
         policy = gathered_copy(policy)
         if policy is None:  # not global rank 0: it took part in the gather, rank 0 writes
             return None

@@ -80,6 +80,28 @@ def test_save_policy_of_a_sharded_policy_gathers_a_folder_plain_transformers_loa
     assert is_sharded(policy)  # the live policy stays sharded
 
 
+def test_an_existing_export_folder_is_refused_on_every_rank_before_the_gather(one_process_group, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from lit_rlhf.models import export
+    from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
+
+    policy = builtin_policy()
+    shard_model(policy, None)
+    folder = tmp_path / "taken"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+
+    def no_gather(model):
+        raise AssertionError("gathered before the folder was checked")
+
+    monkeypatch.setattr(export, "gathered_copy", no_gather)  # rank 0 alone would refuse only after gathering
+    module = SimpleNamespace(actor_critic=SimpleNamespace(policy=policy), tokenizer=builtin_tokenizer())
+    with pytest.raises(export.ExportError, match="already exists"):
+        export.save_module_policy(module, str(folder))
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
 def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
     from types import SimpleNamespace
 
