@@ -12,7 +12,11 @@ task's builder for `builtin:<task>`), so parameters are counted exactly and no w
 - the rollout's KV cache: (batch_size x group_size) rows of (max_prompt_length + max_new_tokens) tokens, 2 x
   layers x kv_heads x head_dim values each;
 - under FSDP (`ModelParallelStrategy`, `FSDPStrategy`) the sharded models' weights, gradients and optimizer
-  states divided by the world size, plus the whole policy unsharded while it samples.
+  states divided by the world size, plus the whole policy unsharded while it samples;
+- with `sampling.backend: vllm` in colocate mode, the engine's share of the device instead of the rollout's KV
+  cache: on a GPU `gpu_memory_utilization` x the device's total memory (vLLM's own budget for its weights, KV
+  cache and activations); on a CPU its copy of the policy's weights plus `kv_cache_gib`; with LoRA, the merged
+  copy of the policy each weight sync builds. A vLLM server elsewhere takes nothing here.
 
 The peak is `weights + optimizer + max(rollout, update)`: the KV cache is freed before the update, and the
 gradients are set to None after each optimizer step, so they never meet the KV cache; within the update, backward
@@ -30,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lit_rlhf.config import ConfigError
+from lit_rlhf.config import ConfigError, VLLMConfig
 from lit_rlhf.registry import get_task, is_builtin
 
 MemoryCheck = Literal["error", "warn", "off"]
@@ -176,6 +180,15 @@ class PlanSettings:
     device: str = "cpu"
     processes_per_host: int = 1  # CPU processes share one RAM
     max_staleness: int = 0  # > 0: a producer samples beside the update with its own copies of the weights
+    backend: str = "lean"  # sampling.backend
+    vllm_mode: str = "colocate"  # sampling.vllm.mode
+    vllm_gpu_memory_utilization: float = 0.3  # sampling.vllm.gpu_memory_utilization (colocate on a GPU)
+    vllm_kv_cache_gib: int = 1  # sampling.vllm.kv_cache_gib (colocate on a CPU)
+    device_total: int | None = None  # the device's total memory (a GPU's; None: unknown)
+
+    @property
+    def vllm_colocated(self) -> bool:
+        return self.backend == "vllm" and self.vllm_mode == "colocate"
 
 
 @dataclass
@@ -343,6 +356,10 @@ def plan_memory(s: PlanSettings, available: int | None = None) -> MemoryPlan:
     if s.max_staleness:
         terms += _producer_terms(s, policy)
     notes = [FSDP2_CPU_NOTE] if s.sharded and shard > 1 and s.device == "cpu" else []
+    if s.vllm_colocated:
+        terms += _vllm_terms(s, policy)
+        if s.device != "cpu" and s.device_total is None:
+            notes.append(VLLM_UNKNOWN_DEVICE_NOTE)
     return MemoryPlan(terms, available, s.device, notes, overlapped=s.max_staleness > 0)
 
 
@@ -361,6 +378,37 @@ def _producer_terms(s: PlanSettings, policy: ModelShape) -> list[Term]:
     ]
 
 
+VLLM_UNKNOWN_DEVICE_NOTE = (
+    "note: vLLM's share (sampling.vllm.gpu_memory_utilization x the device's total memory) is not counted: the "
+    "device's total memory is unknown (PlanSettings.device_total)"
+)
+
+
+def _vllm_terms(s: PlanSettings, policy: ModelShape) -> list[Term]:
+    """A vLLM engine in this process (`sampling.vllm.mode: colocate`, lit_rlhf/rollout/backends/vllm_engine.py).
+    On a GPU it takes `gpu_memory_utilization` of the device's total memory for everything of its own; on a CPU
+    its weights (the policy's dtype, adapters merged) and a KV cache of `kv_cache_gib`. With LoRA each weight
+    sync merges the adapters into a full copy of the policy, alive while the engine reloads it."""
+    base_weights = (policy.params - policy.trainable if s.lora is not None else policy.params) * policy.element_bytes
+    if s.device == "cpu":
+        terms = [
+            Term("vLLM engine's copy of the policy", "persistent", base_weights, "model.sampling.backend: lean"),
+            Term(
+                "vLLM KV cache (kv_cache_gib)",
+                "persistent",
+                s.vllm_kv_cache_gib * GiB,
+                "model.sampling.vllm.kv_cache_gib (1 fits small models)",
+            ),
+        ]
+    else:
+        share = int(s.vllm_gpu_memory_utilization * (s.device_total or 0))
+        fix = "model.sampling.vllm.gpu_memory_utilization, or mode: server (vLLM on other devices)"
+        terms = [Term("vLLM engine (gpu_memory_utilization)", "persistent", share, fix)]
+    if s.lora is not None:
+        terms.append(Term("merged policy for the vLLM weight sync", "rollout", base_weights, "no LoRA"))
+    return terms
+
+
 def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int, shard: int) -> list[Term]:
     policy = shapes["policy"]
     rows = s.prompts_per_device * s.group_size
@@ -372,12 +420,6 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
     if s.uses_critic and s.separate_critic:
         activations *= 2
     terms = [
-        Term(
-            "KV cache of a rollout",
-            "rollout",
-            kv_cache_bytes(policy, rows, tokens),
-            "data.batch_size, model.algorithm.group_size or model.sampling.max_new_tokens",
-        ),
         Term("gradients", "update", trainable * policy.element_bytes // shard, "model.lora, or sharding"),
         Term(
             f"activations (micro-batch of {micro} rows)",
@@ -386,6 +428,10 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
             "model.algorithm.micro_batch_size, model.gradient_checkpointing",
         ),
     ]
+    if s.backend != "vllm":  # vLLM keeps its KV cache in its own share (colocate) or elsewhere (server)
+        cache = kv_cache_bytes(policy, rows, tokens)
+        fix = "data.batch_size, model.algorithm.group_size or model.sampling.max_new_tokens"
+        terms.insert(0, Term("KV cache of a rollout", "rollout", cache, fix))
     if "reference" in shapes or (s.uses_reference and s.lora is not None):
         logits = rows * (s.new_tokens + 1) * policy.vocab * 4
         terms.append(Term("reference logits of the rollout", "update", logits, "data.batch_size or group_size"))
@@ -406,6 +452,7 @@ def plan_settings(module: Any, prompts: Any, trainer: Any) -> PlanSettings:
     strategy = trainer.strategy
     sharded = any(c.__name__ in SHARDING_STRATEGIES for c in type(strategy).__mro__)
     device = trainer.strategy.root_device.type
+    vllm = module.sampling.vllm or VLLMConfig()
     return PlanSettings(
         policy=module.specs.policy,
         reference=module.specs.reference,
@@ -430,6 +477,11 @@ def plan_settings(module: Any, prompts: Any, trainer: Any) -> PlanSettings:
         device=device,
         processes_per_host=trainer.num_devices if device == "cpu" else 1,
         max_staleness=algo.max_staleness,
+        backend=module.sampling.backend,
+        vllm_mode=vllm.mode,
+        vllm_gpu_memory_utilization=vllm.gpu_memory_utilization,
+        vllm_kv_cache_gib=vllm.kv_cache_gib,
+        device_total=torch.cuda.mem_get_info()[1] if device == "cuda" and torch.cuda.is_available() else None,
     )
 
 

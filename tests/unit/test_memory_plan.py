@@ -168,3 +168,48 @@ def test_the_module_hands_its_staleness_to_the_plan():
     )
     settings = memory_plan.plan_settings(module, None, make_trainer(1))
     assert settings.max_staleness == 1
+
+
+def test_vllm_colocated_on_a_cpu_adds_its_weights_and_kv_cache_instead_of_the_rollouts_kv_cache():
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    real = sum(p.numel() for p in builtin_policy().parameters())
+    lean = terms(plan_memory(PlanSettings(policy="builtin:digits")))
+    vllm = plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", vllm_kv_cache_gib=2))
+    added = {name: size for name, size in terms(vllm).items() if name not in lean}
+    cache = "vLLM KV cache (kv_cache_gib)"
+    assert added == {"vLLM engine's copy of the policy": real * 4, cache: 2 * 2**30}
+    assert "KV cache of a rollout" in lean and "KV cache of a rollout" not in terms(vllm)  # vLLM samples, not HF
+    assert vllm.largest.name == "vLLM KV cache (kv_cache_gib)"
+    small = plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", vllm_kv_cache_gib=2), available=2**30)
+    assert "the largest term is vLLM KV cache" in (small.refusal() or "")
+
+
+def test_vllm_colocated_on_a_gpu_takes_its_share_of_the_devices_total_memory():
+    total = 80 * 2**30
+    share = {"vllm_gpu_memory_utilization": 0.25, "device_total": total}
+    plan = plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", device="cuda", **share))
+    assert terms(plan)["vLLM engine (gpu_memory_utilization)"] == 20 * 2**30
+    unknown = plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", device="cuda"))
+    assert "device's total memory is unknown" in unknown.table()
+
+
+def test_a_vllm_server_takes_nothing_here_and_lora_syncs_add_a_merged_copy():
+    pytest.importorskip("peft")
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    base = sum(p.numel() for p in builtin_policy().parameters())
+    server = terms(plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", vllm_mode="server")))
+    assert not any("vLLM" in name for name in server) and "KV cache of a rollout" not in server
+    lora = terms(plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", lora={"r": 4})))
+    assert lora["vLLM engine's copy of the policy"] == base * 4  # adapters merged into the base weights
+    assert lora["merged policy for the vLLM weight sync"] == base * 4
+
+
+def test_the_module_hands_its_vllm_settings_to_the_plan():
+    from lit_rlhf.config import VLLMConfig
+
+    sampling = SamplingConfig(backend="vllm", vllm=VLLMConfig(kv_cache_gib=3))
+    module = RLHFModule(policy="builtin:digits", reward_fns=[REWARD], sampling=sampling)
+    settings = memory_plan.plan_settings(module, None, make_trainer(1))
+    assert (settings.backend, settings.vllm_mode, settings.vllm_kv_cache_gib) == ("vllm", "colocate", 3)
