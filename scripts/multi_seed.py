@@ -3,6 +3,7 @@ then the final training reward, held-out accuracy and critic fit as mean, min an
 
 python scripts/multi_seed.py --config ppo --seeds 0 1 2 3 4 --steps 1500 --jobs 2 --plot docs/img/ppo_seeds.png
 python scripts/multi_seed.py --config ppo --seeds 0 1 2 --steps 600 --set model.algorithm.vf_coef=0.5
+python scripts/multi_seed.py --config grpo --seeds 0 1 2 --set data.batch_size=8 --ray-workers 2  # Ray Train, DDP
 
 Each seed trains `configs/<config>.yaml` with its `max_time` removed (the budget is `--steps`; each run's wall
 time is printed), no checkpoints, held-out greedy accuracy (`val/sorted_exactly`, 200 prompts) every `--every`
@@ -83,6 +84,9 @@ def run_seeds(args: argparse.Namespace) -> None:
             out = os.path.join(args.out, f"seed{seed}")
             path = write_config(args.config, args.set, out, args.steps, args.every)
             cmd = [sys.executable, "train.py", "fit", "--config", path, f"--seed_everything={seed}"]
+            if args.ray_workers:  # the same config on a local Ray cluster (scripts/ray_train.py)
+                ray = ["--workers", str(args.ray_workers), "--config", path, "--seed", str(seed), "--out", out]
+                cmd = [sys.executable, os.path.join("scripts", "ray_train.py"), *ray]
             log = open(os.path.join(out, "train.log"), "w")  # noqa: SIM115  closed when the run ends
             running[seed] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), log, time.time())
         time.sleep(1.0)
@@ -187,10 +191,14 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=150, help="rollouts averaged for the final reward")
     parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
     parser.add_argument("--jobs", type=int, default=1, help="seeds trained at once")
+    parser.add_argument(
+        "--ray-workers", type=int, default=0, help="train each seed with Ray Train on this many workers (ray extra)"
+    )
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "multi_seed"))
     parser.add_argument("--plot", help="write the curves to this PNG")
     parser.add_argument("--reuse", action="store_true", help="summarise the runs already under --out")
     args = parser.parse_args()
+    args.out = os.path.abspath(args.out)  # the runs' log folders, whatever folder a (Ray) worker runs in
     if not args.reuse:
         run_seeds(args)
     table = summarise(args)

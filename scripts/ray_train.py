@@ -4,11 +4,16 @@ docs/distributed.md).
 
     python scripts/ray_train.py --workers 2 --steps 3 --out runs/ray   # a local cluster of 2 CPU workers
     RAY_ADDRESS=auto python scripts/ray_train.py ...                   # an existing cluster (`ray start` on each node)
+    python scripts/ray_train.py --workers 2 --config configs/grpo.yaml --seed 1 --out runs/ray  # any train.py config
 
 Every worker runs `train_func`: the same module and DataModule as a `strategy: ddp` run, with Ray's strategy and
 environment, passed through `ray.train.lightning.prepare_trainer`. The trained weights (every trainable parameter)
 go to `<out>/ray.pt` from global rank 0, and each rank's global step and world size to `<out>/ray_rank<r>.json`.
 The settings are those of `tests/e2e/fsdp2_run.py`, so the weights can be compared with its DDP run.
+
+With `--config`, every worker runs `fit_config` instead: the config as `train.py fit` reads it (its logger,
+callbacks and limits), with `--seed` as `seed_everything`, `trainer.devices: auto` and Ray's strategy and
+environment in place of the config's strategy. `data.batch_size` is per worker, as under `strategy: ddp`.
 """
 
 from __future__ import annotations
@@ -57,11 +62,31 @@ def train_func(config: dict[str, Any]) -> None:
         json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, f)
 
 
+def fit_config(config: dict[str, Any]) -> None:
+    import torch
+    from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, prepare_trainer
+
+    from lit_rlhf import RLHFModule, RolloutDataModule
+    from lit_rlhf.cli import CheckedCLI, quiet_known_notices
+
+    torch.set_num_threads(1)
+    args = ["--config", config["config"], f"--seed_everything={config['seed']}", "--trainer.devices=auto"]
+    with quiet_known_notices():
+        cli = CheckedCLI(RLHFModule, RolloutDataModule, run=False, args=args, save_config_callback=None)
+    plugins = [*(cli.config_init["trainer"].get("plugins") or []), RayLightningEnvironment()]
+    ray_trainer = prepare_trainer(cli.instantiate_trainer(strategy=RayDDPStrategy(), plugins=plugins))
+    ray_trainer.fit(cli.model, cli.datamodule)
+    with open(os.path.join(config["out"], f"ray_rank{ray_trainer.global_rank}.json"), "w") as f:
+        json.dump({"global_step": ray_trainer.global_step, "world_size": ray_trainer.world_size}, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--config", help="a train.py config to fit on every worker (instead of the 3-step run)")
+    parser.add_argument("--seed", type=int, default=0, help="--config: its seed_everything")
     args = parser.parse_args()
     import ray
     from ray.train import RunConfig, ScalingConfig
@@ -71,9 +96,13 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     if "RAY_ADDRESS" not in os.environ:  # a local cluster with one CPU per worker
         ray.init(num_cpus=args.workers, include_dashboard=False)
+    if args.config:
+        work, loop_config = fit_config, {"config": os.path.abspath(args.config), "seed": args.seed, "out": out}
+    else:
+        work, loop_config = train_func, {"steps": args.steps, "out": out}
     trainer = TorchTrainer(
-        train_func,
-        train_loop_config={"steps": args.steps, "out": out},
+        work,
+        train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False, resources_per_worker={"CPU": 1}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=RunConfig(storage_path=os.path.join(out, "ray_results"), name="grpo"),

@@ -48,3 +48,26 @@ def test_a_two_worker_ray_train_run_trains_like_ddp(tmp_path):
     assert max((ray[k] - ddp[k]).abs().max().item() for k in ddp) < TOLERANCE
     initial = torch.load(tmp_path / "ddp_initial.pt")
     assert max((ddp[k] - initial[k]).abs().max().item() for k in ddp) > 1e-2  # the weights moved
+
+
+def test_any_train_config_fits_under_ray_with_its_logger_callbacks_and_plugins(tmp_path):
+    import yaml
+
+    settings = yaml.safe_load((ROOT / "configs" / "debug.yaml").read_text())
+    settings["trainer"]["callbacks"][0]["init_args"]["dirpath"] = str(tmp_path / "checkpoints")
+    settings["trainer"]["logger"] = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(tmp_path / "logs")},
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(settings))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, str(ROOT / "scripts" / "ray_train.py"), "--workers", "2", "--config", str(config)]
+    done = subprocess.run([*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = settings["trainer"]["max_steps"]  # one rollout of ppo_epochs 2 x num_minibatches 2
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"ray_rank{rank}.json").read_text()) == {"global_step": steps, "world_size": 2}
+    assert (tmp_path / "checkpoints" / "last.ckpt").stat().st_size > 0  # the config's ModelCheckpoint
+    assert list((tmp_path / "logs").rglob("metrics.csv"))  # the config's logger, written by rank 0
