@@ -13,7 +13,8 @@ The settings are those of `tests/e2e/fsdp2_run.py`, so the weights can be compar
 
 With `--config`, every worker runs `fit_config` instead: the config as `train.py fit` reads it (its logger,
 callbacks and limits), with `--seed` as `seed_everything`, `trainer.devices: auto` and Ray's strategy and
-environment in place of the config's strategy. `data.batch_size` is per worker, as under `strategy: ddp`.
+environment in place of the config's strategy. `data.batch_size` is per worker, as under `strategy: ddp`. Paths in
+the config (logs, checkpoints) are read by each worker where Ray starts it: make them absolute.
 """
 
 from __future__ import annotations
