@@ -25,6 +25,12 @@ import os
 from typing import Any
 
 
+def write_rank_record(trainer: Any, out: str) -> None:
+    """This rank's global step and world size to `<out>/ray_rank<r>.json`."""
+    with open(os.path.join(out, f"ray_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, f)
+
+
 def train_func(config: dict[str, Any]) -> None:
     import lightning as L
     import torch
@@ -59,8 +65,7 @@ def train_func(config: dict[str, Any]) -> None:
     weights = {n: p.detach().clone() for n, p in module.actor_critic.named_parameters() if p.requires_grad}
     if trainer.global_rank == 0:
         torch.save(weights, os.path.join(out, "ray.pt"))
-    with open(os.path.join(out, f"ray_rank{trainer.global_rank}.json"), "w") as f:
-        json.dump({"global_step": trainer.global_step, "world_size": trainer.world_size}, f)
+    write_rank_record(trainer, out)
 
 
 def fit_config(config: dict[str, Any]) -> None:
@@ -77,8 +82,7 @@ def fit_config(config: dict[str, Any]) -> None:
     plugins = [*(cli.config_init["trainer"].get("plugins") or []), RayLightningEnvironment()]
     ray_trainer = prepare_trainer(cli.instantiate_trainer(strategy=RayDDPStrategy(), plugins=plugins))
     ray_trainer.fit(cli.model, cli.datamodule)
-    with open(os.path.join(config["out"], f"ray_rank{ray_trainer.global_rank}.json"), "w") as f:
-        json.dump({"global_step": ray_trainer.global_step, "world_size": ray_trainer.world_size}, f)
+    write_rank_record(ray_trainer, config["out"])
 
 
 def main() -> None:

@@ -180,7 +180,7 @@ def test_vllm_colocated_on_a_cpu_adds_its_weights_and_kv_cache_instead_of_the_ro
     cache = "vLLM KV cache (kv_cache_gib)"
     assert added == {"vLLM engine's copy of the policy": real * 4, cache: 2 * 2**30}
     assert "KV cache of a rollout" in lean and "KV cache of a rollout" not in terms(vllm)  # vLLM samples, not HF
-    assert vllm.largest.name == "vLLM KV cache (kv_cache_gib)"
+    assert vllm.largest.name == cache
     small = plan_memory(PlanSettings(policy="builtin:digits", backend="vllm", vllm_kv_cache_gib=2), available=2**30)
     assert "the largest term is vLLM KV cache" in (small.refusal() or "")
 

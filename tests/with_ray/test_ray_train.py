@@ -34,12 +34,17 @@ def fsdp2_test_module():
     return module
 
 
-def test_a_two_worker_ray_train_run_trains_like_ddp(tmp_path):
+def run_ray_train(out: Path, *args: str) -> None:
+    """`scripts/ray_train.py` on a local cluster of its own with 2 workers, writing under `out`; must succeed."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)  # a local cluster of its own
-    command = [sys.executable, str(ROOT / "scripts" / "ray_train.py"), "--workers", "2", "--steps", "3"]
-    done = subprocess.run([*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=420)
+    command = [sys.executable, str(ROOT / "scripts" / "ray_train.py"), "--workers", "2", *args, "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_a_two_worker_ray_train_run_trains_like_ddp(tmp_path):
+    run_ray_train(tmp_path, "--steps", "3")
     for rank in (0, 1):
         assert json.loads((tmp_path / f"ray_rank{rank}.json").read_text()) == {"global_step": 3, "world_size": 2}
     fsdp2_test_module().run("ddp", tmp_path)
@@ -61,11 +66,7 @@ def test_any_train_config_fits_under_ray_with_its_logger_callbacks_and_plugins(t
     }
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(settings))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, str(ROOT / "scripts" / "ray_train.py"), "--workers", "2", "--config", str(config)]
-    done = subprocess.run([*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_ray_train(tmp_path, "--config", str(config))
     steps = settings["trainer"]["max_steps"]  # one rollout of ppo_epochs 2 x num_minibatches 2
     for rank in (0, 1):
         assert json.loads((tmp_path / f"ray_rank{rank}.json").read_text()) == {"global_step": steps, "world_size": 2}
