@@ -4,6 +4,7 @@ checkpointing, an optional separate critic), the frozen reference, and the froze
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,8 +106,11 @@ def build_models(
     separate_critic: bool = False,
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
+    load_model: Callable[[Any, str, bool], nn.Module] = load_causal_lm,
 ) -> Models:
-    policy = load_causal_lm(specs.policy, "model.policy", trust_remote_code)
+    """`load_model(spec, field, trust_remote_code)` loads the policy and a named reference (under FSDP2: rank 0
+    alone, `training.rank0_weights`)."""
+    policy = load_model(specs.policy, "model.policy", trust_remote_code)
     rows = getattr(getattr(policy, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
     if rows is not None and len(tokenizer) > rows:  # token ids past the table fail deep in a forward
         raise ConfigError(
@@ -129,7 +133,7 @@ def build_models(
         elif specs.reference is None:
             reference = frozen_copy(policy)
         else:
-            reference = freeze(load_causal_lm(specs.reference, "model.reference", trust_remote_code))
+            reference = freeze(load_model(specs.reference, "model.reference", trust_remote_code))
             disable_dropout(reference)
             mask_padded_vocabulary(reference, len(tokenizer))
     reward_model = None

@@ -49,6 +49,7 @@ from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
+from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
 from lit_rlhf.training.sharding import is_fsdp2, shard_module_models
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
@@ -157,11 +158,20 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         if self.actor_critic is not None:
             return
         fit_memory_check(self, self.hparams["memory_check"])  # at fit start: refuse a plan that cannot fit
-        models = build_models(self.specs, self.tokenizer, self.algorithm, **{k: self.hparams[k] for k in BUILD_OPTIONS})
+        options = {k: self.hparams[k] for k in BUILD_OPTIONS}
+        strategy: Any = self._trainer.strategy if self._trainer is not None and is_fsdp2(self._trainer) else None
+        if strategy is not None:  # ModelParallelStrategy: rank 0 alone reads the weights (training/rank0_weights.py)
+            options["load_model"] = Rank0Loader(strategy)
+        models = build_models(self.specs, self.tokenizer, self.algorithm, **options)
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
-        if is_fsdp2(self._trainer):  # ModelParallelStrategy: FSDP2 units (lit_rlhf/training/sharding.py)
+        if strategy is not None:  # FSDP2 units (training/sharding.py), each rank's shard of rank 0's weights
+            roots = {"actor_critic": self.actor_critic}
+            if self.reference is not None and any(True for _ in self.reference.parameters()):
+                roots["reference"] = self.reference
+            full = full_weights(roots, strategy.global_rank)
             shard_module_models(self, getattr(self, "shard_frozen", True))
+            send_rank0_weights(roots, full, strategy, strategy.root_device)
 
     def train(self, mode: bool = True) -> RLHFModule:
         """Lightning switches everything to train mode; the frozen models stay in eval mode."""

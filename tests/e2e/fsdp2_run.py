@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lit_rlhf import AlgorithmConfig, AtomicCheckpointIO, RLHFModule, RolloutDataModule, SamplingConfig, SavePolicy  # noqa: E402
 from lit_rlhf.config import ConfigError  # noqa: E402
+from lit_rlhf.training import rank0_weights  # noqa: E402
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
 
@@ -49,6 +50,19 @@ class SaveInitial(L.Callback):
         if trainer.global_rank == 0:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             torch.save(state, self.path)
+
+
+def count_policy_loads() -> list[str]:
+    """Record each model this rank loads with weights under FSDP2 (rank 0 alone should)."""
+    loads: list[str] = []
+    load = rank0_weights.load_causal_lm
+
+    def counted(spec, field, *args, **kwargs):
+        loads.append(field)
+        return load(spec, field, *args, **kwargs)
+
+    rank0_weights.load_causal_lm = counted
+    return loads
 
 
 def validate(trainer: L.Trainer, module: RLHFModule) -> dict:
@@ -85,6 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     tag = args.tag or args.strategy
     L.seed_everything(0)
+    loads = count_policy_loads()
     algorithm = AlgorithmConfig(name=args.algorithm, group_size=2, micro_batch_size=2, kl_coef=0.05)
     module = RLHFModule(
         policy=args.policy,
@@ -134,6 +149,7 @@ def main() -> None:
     record: dict = {
         "seconds": seconds,
         "global_step": trainer.global_step,
+        "loads": loads,
         "optimized": {"tensors": len(optimized), "dtensors": sum(hasattr(p, "full_tensor") for p in optimized)},
     }
     if args.validate:

@@ -1,12 +1,13 @@
-"""FSDP2 (`ModelParallelStrategy`, `fully_shard` in `configure_model`) on two CPU processes (gloo): GRPO with a
-sharded reference and PPO with a sharded value head, 3 steps each, give the weights of DDP on the same two
-processes (same prompts per rank, same sampling streams) within float tolerance; the `SavePolicy` export and
-`lit-rlhf-export` of a distributed checkpoint folder load in plain transformers with the trained weights; a run
-resumed from the distributed checkpoint of step 2 ends with the weights of the uninterrupted run, bit for bit, and
-then answers held-out prompts (uneven batch counts over the ranks are refused); so does one resumed from a full
-checkpoint file written by `AtomicCheckpointIO` (`save_distributed_checkpoint=False`). The same for GRPO with LoRA
-adapters (the reference: the sharded policy with the adapters off): the adapters of DDP, its exports (merged, and
-adapters only), and exact resumes from distributed and full checkpoints.
+"""FSDP2 (`ModelParallelStrategy`, `fully_shard` in `configure_model`) on two CPU processes (gloo): GRPO with a sharded
+reference and PPO with a sharded value head, 3 steps each, give the weights of DDP on the same two processes (same
+prompts per rank, same sampling streams) within float tolerance, with rank 0 alone reading the policy's weights (the
+PPO one from a save_pretrained folder) and rank 1 receiving its shards; the `SavePolicy` export and `lit-rlhf-export`
+of a distributed checkpoint folder load in plain transformers with the trained weights; a run resumed from the
+distributed checkpoint of step 2 ends with the weights of the uninterrupted run, bit for bit, and then answers
+held-out prompts (uneven batch counts over the ranks are refused); so does one resumed from a full checkpoint file
+written by `AtomicCheckpointIO` (`save_distributed_checkpoint=False`). The same for GRPO with LoRA adapters (the
+reference: the sharded policy with the adapters off): the adapters of DDP, its exports (merged, and adapters only), and
+exact resumes from distributed and full checkpoints.
 
 The fits run in `tests/e2e/fsdp2_run.py`, one process per rank, as `test_ddp.py` runs `ddp_run.py`.
 """
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 import lit_rlhf
+from lit_rlhf.registry import get_task
 
 pytestmark = pytest.mark.slow  # end-to-end: several processes
 
@@ -89,15 +91,50 @@ def assert_like_ddp(out: Path, fsdp2_tag: str, ddp_tag: str, tolerance: float = 
     assert max((ddp[k] - initial[k]).abs().max().item() for k in ddp) > 10 * TOLERANCE  # the weights moved
 
 
+def loads(out: Path, tag: str) -> list[list[str]]:
+    """The models each rank loaded with their weights, rank 0 first."""
+    return [json.loads((out / f"{tag}_rank{rank}.json").read_text())["loads"] for rank in (0, 1)]
+
+
 def test_grpo_under_fsdp2_on_two_cpu_processes_trains_like_ddp(grpo_run):
     run("ddp", grpo_run)
     assert_like_ddp(grpo_run, "fsdp2", "ddp")
+    assert loads(grpo_run, "fsdp2") == [["model.policy"], []]  # rank 1 built it on the meta device
 
 
-def test_ppo_under_fsdp2_with_a_sharded_value_head_trains_like_ddp(tmp_path):
-    run("fsdp2", tmp_path, "--algorithm", "ppo", "--tag", "ppo_fsdp2")
-    run("ddp", tmp_path, "--algorithm", "ppo", "--tag", "ppo_ddp")
+def tiny_llama_folder(folder: Path) -> Path:
+    """A 2-block Llama (rotary tables: non-persistent buffers no state dict carries; tied embeddings) with the
+    digits task's tokenizer, saved as a Hugging Face folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = get_task("builtin:digits", "model.tokenizer").tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_ppo_from_a_folder_under_fsdp2_with_a_sharded_value_head_trains_like_ddp(tmp_path):
+    """A Llama read from a save_pretrained folder by rank 0 alone (rank 1 gets its shards and rotary tables from
+    rank 0); the reference is its frozen copy; the value head is sharded as its own unit."""
+    folder = tiny_llama_folder(tmp_path / "llama")
+    run("fsdp2", tmp_path, "--algorithm", "ppo", "--policy", str(folder), "--tag", "ppo_fsdp2")
+    run("ddp", tmp_path, "--algorithm", "ppo", "--policy", str(folder), "--tag", "ppo_ddp")
     assert_like_ddp(tmp_path, "ppo_fsdp2", "ppo_ddp")
+    assert loads(tmp_path, "ppo_fsdp2") == [["model.policy"], []]
     assert {"value_head.weight", "value_head.bias"} <= set(torch.load(tmp_path / "ppo_fsdp2.pt"))
 
 
