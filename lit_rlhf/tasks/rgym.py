@@ -12,6 +12,8 @@ Rows are chat rows: the dataset's question and the answer instruction as one use
 metadata) and `answer_format`. `score_answer` scores a reply with the dataset's own `score_answer` on the extracted
 answer; `solved` is 1 where that score is full marks (held-out exact accuracy); `answer_format_reward` is 1 for a
 reply in the asked format (one non-empty line for `final` and `last_line`, a non-empty tagged answer for `tags`).
+A reply the dataset's scorer raises on (some parse without a guard) scores 0, with one warning per task, as long as
+the scorer gives the entry's own answer full marks; otherwise its error propagates.
 
 **Held out by content.** reasoning-gym seeds item i with `seed + i`, so two nearby seeds share most items. Here a
 question belongs to the held-out share when the SHA-256 of its text falls in the lowest `HELD_OUT_SHARE` of the
@@ -27,6 +29,7 @@ import hashlib
 import json
 import random
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from typing import Any
@@ -199,9 +202,37 @@ def _scorer(spec: str) -> Any:
 
 def _scores(responses: Sequence[str], rg_task: Sequence[str], rg_entry: Sequence[Any], fmt: Sequence[str]):
     return [
-        float(_scorer(task).score_answer(extract(response, answer_format), entry))
+        _score(task, extract(response, answer_format), entry)
         for response, task, entry, answer_format in zip(responses, rg_task, rg_entry, fmt, strict=True)
     ]
+
+
+def _score(task: str, answer: str | None, entry: dict[str, Any]) -> float:
+    """The dataset's `score_answer`; 0.0 for an answer it raises on while it scores the entry's own answer (some
+    scorers parse without a guard: prime_factorization's `int()` on 'The prime factors are 3'). A scorer that
+    raises on the right answer too is broken, and that error propagates."""
+    scorer = _scorer(task)
+    try:
+        return float(scorer.score_answer(answer, entry))
+    except Exception as err:
+        scorer.score_answer(entry["answer"], entry)
+        _warn_unscorable(task, answer, repr(err))
+        return 0.0
+
+
+_WARNED_UNSCORABLE: set[str] = set()
+
+
+def _warn_unscorable(task: str, answer: str | None, error: str) -> None:
+    """Once per task: a reply scored 0 because the dataset's scorer raised on it."""
+    if task in _WARNED_UNSCORABLE:
+        return
+    _WARNED_UNSCORABLE.add(task)
+    warnings.warn(
+        f"rg_task {task!r}: the dataset's score_answer raised {error} on the answer {answer!r}; such a reply scores "
+        "0 (the scorer gives its own answer full marks, so the reply, not the task, is malformed)",
+        stacklevel=2,
+    )
 
 
 def score_answer(

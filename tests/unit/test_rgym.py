@@ -200,3 +200,26 @@ def test_one_line_replies_follow_the_final_and_last_line_formats(rgym):
     replies = ["6", "work\n6", "", "<answer></answer>"]
     assert rgym.answer_format_reward([""] * 4, replies, ["final"] * 4) == [1.0, 0.0, 0.0, 1.0]
     assert rgym.answer_format_reward([""] * 4, replies, ["tags"] * 4) == [0.0, 0.0, 0.0, 0.0]
+
+
+def test_a_reply_the_datasets_scorer_raises_on_scores_zero_with_one_warning(rgym):
+    task = get_task("builtin:reasoning_gym/prime_factorization", "data.prompts")
+    row = next(task.prompts(0))
+    columns = {k: [row[k]] * 3 for k in ("rg_task", "rg_entry", "answer_format")}
+    replies = ["The prime factors are 3", row["rg_entry"]["answer"], "prime factors: 7"]
+    # prime_factorization's own scorer calls int() on each factor and raises on the first and last reply
+    with pytest.warns(UserWarning, match=r"score_answer raised ValueError.* such a reply scores 0") as caught:
+        assert rgym.solved([""] * 3, replies, **columns) == [0.0, 1.0, 0.0]
+    assert len([w for w in caught if "score_answer raised" in str(w.message)]) == 1
+
+
+def test_a_scorer_that_raises_on_the_right_answer_too_is_an_error(rgym, monkeypatch):
+    row = next(get_task("builtin:reasoning_gym/prime_factorization", "data.prompts").prompts(0))
+    scorer = rgym._scorer(row["rg_task"])
+
+    def broken(answer, entry):
+        raise KeyError("metadata")
+
+    monkeypatch.setattr(scorer, "score_answer", broken)
+    with pytest.raises(KeyError, match="metadata"):
+        rgym.solved([""], [row["rg_entry"]["answer"]], [row["rg_task"]], [row["rg_entry"]], [row["answer_format"]])
