@@ -1,12 +1,13 @@
 """Per-process memory and step time of FSDP2 (`ModelParallelStrategy`) against DDP on 2 CPU processes (gloo), the
 same global batch (each rank samples for its own prompts), the same GRPO settings.
 
-    python benchmarks/fsdp2_memory.py [--policy smollm2|builtin] [--steps 3]
+    python benchmarks/fsdp2_memory.py [--policy smollm2|builtin] [--steps 3] [--strategies ddp fsdp2]
 
 Each strategy runs as 2 worker processes of this script (LOCAL_RANK, MASTER_PORT, ... set as torchrun would),
 one after the other. Every rank records, after the fit, the bytes it holds itself (a `DTensor`'s local shard, a
 plain tensor whole) of the trainable parameters, the frozen ones (reference) and AdamW's state, its peak RSS
-(`ru_maxrss`, libraries included) and each step's wall time. Results go to
+(`ru_maxrss`, libraries included: after the models are built and sharded, after the first step, after the fit)
+and each step's wall time. Results go to
 benchmarks/results/fsdp2_memory_<time>.json and a markdown table to stdout. `--policy smollm2` needs
 models/smollm2-135m (or $LIT_RLHF_SMOLLM2).
 """
@@ -83,13 +84,21 @@ def worker(args: argparse.Namespace) -> None:
     else:
         strategy = "ddp"
     steps: list[float] = []
+    rss: dict[str, float] = {}
+
+    def peak_rss_mib() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     class StepClock(L.Callback):
+        def on_fit_start(self, trainer, pl_module):
+            rss["setup"] = peak_rss_mib()  # the models built and sharded
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps.append(time.perf_counter() - self.start)
+            rss.setdefault("step1", peak_rss_mib())  # one rollout and its update
 
     trainer = L.Trainer(
         max_steps=args.steps,
@@ -112,7 +121,9 @@ def worker(args: argparse.Namespace) -> None:
         "trainable_mib": local_bytes(p for p in params if p.requires_grad) / MIB,
         "frozen_mib": local_bytes(p for p in params if not p.requires_grad) / MIB,
         "optimizer_mib": local_bytes(state) / MIB,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_mib(),
+        "peak_rss_after_setup_mib": rss["setup"],
+        "peak_rss_after_step1_mib": rss["step1"],
         "step_s": steps,
     }
     with open(os.path.join(args.out, f"{args.strategy}_rank{trainer.global_rank}.json"), "w") as f:
@@ -143,14 +154,15 @@ def launch(strategy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 def table(records: list[dict[str, Any]]) -> str:
     rows = [
         "| strategy | rank | trainable params (MiB) | optimizer state (MiB) | params + optimizer (MiB) | frozen "
-        "reference (MiB) | peak RSS (MiB) | median step (s) |",
+        "reference (MiB) | peak RSS after setup / step 1 / fit (MiB) | median step (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         both = r["trainable_mib"] + r["optimizer_mib"]
         rows.append(
             f"| {r['strategy']} | {r['rank']} | {r['trainable_mib']:.1f} | {r['optimizer_mib']:.1f} | {both:.1f} | "
-            f"{r['frozen_mib']:.1f} | {r['peak_rss_mib']:.0f} | {statistics.median(r['step_s']):.2f} |"
+            f"{r['frozen_mib']:.1f} | {r['peak_rss_after_setup_mib']:.0f} / {r['peak_rss_after_step1_mib']:.0f} / "
+            f"{r['peak_rss_mib']:.0f} | {statistics.median(r['step_s']):.2f} |"
         )
     return "\n".join(rows)
 
@@ -159,6 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", choices=sorted(SETUPS), default="smollm2")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp2"), default=["ddp", "fsdp2"])
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the workers' per-rank records
@@ -167,7 +180,7 @@ def main() -> None:
         worker(args)
         return
     with tempfile.TemporaryDirectory() as args.out:
-        records = [r for strategy in ("ddp", "fsdp2") for r in launch(strategy, args)]
+        records = [r for strategy in args.strategies for r in launch(strategy, args)]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", f"fsdp2_memory_{stamp}.json"), "w") as f:

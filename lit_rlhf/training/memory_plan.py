@@ -312,9 +312,9 @@ def _with_adapters(shape: ModelShape, adapters: int) -> ModelShape:
 
 
 FSDP2_CPU_NOTE = (
-    "note: under FSDP2 on CPU the measured peak RSS was 2.6-3.4x this plan (SmolLM2, 2 processes, "
-    "benchmarks/fsdp2_memory.py): each rank builds the full models before sharding and the allocator keeps "
-    "freed memory; read the plan as a lower bound there"
+    "note: under FSDP2 on CPU the measured peak RSS was 2.6-2.9x this plan (SmolLM2, 2 processes, "
+    "benchmarks/fsdp2_memory.py): rank 0 holds the full models while it sends their shards, the rollout gathers "
+    "the policy and the allocator keeps freed memory; read the plan as a lower bound there"
 )
 
 
