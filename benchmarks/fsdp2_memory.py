@@ -85,6 +85,7 @@ def worker(args: argparse.Namespace) -> None:
         strategy = "ddp"
     steps: list[float] = []
     rss: dict[str, float] = {}
+    step_peaks: list[float] = []
 
     def peak_rss_mib() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -98,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             steps.append(time.perf_counter() - self.start)
-            rss.setdefault("step1", peak_rss_mib())  # one rollout and its update
+            step_peaks.append(peak_rss_mib())  # after each rollout and its update
 
     trainer = L.Trainer(
         max_steps=args.steps,
@@ -123,7 +124,8 @@ def worker(args: argparse.Namespace) -> None:
         "optimizer_mib": local_bytes(state) / MIB,
         "peak_rss_mib": peak_rss_mib(),
         "peak_rss_after_setup_mib": rss["setup"],
-        "peak_rss_after_step1_mib": rss["step1"],
+        "peak_rss_after_step1_mib": step_peaks[0],
+        "peak_rss_after_each_step_mib": step_peaks,
         "step_s": steps,
     }
     with open(os.path.join(args.out, f"{args.strategy}_rank{trainer.global_rank}.json"), "w") as f:
