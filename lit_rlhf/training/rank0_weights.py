@@ -14,22 +14,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_rlhf.config import ConfigError
 from lit_rlhf.models.loading import load_causal_lm
 from lit_rlhf.models.lora import has_adapters
 
 
 class Rank0Loader:
     """`load_causal_lm` for every rank of `strategy`: rank 0 loads; the others get a meta-device skeleton of rank
-    0's model, unless rank 0's model cannot be rebuilt from its config (a peft model), when they load it too."""
+    0's model, unless rank 0's model cannot be rebuilt from its config (a peft model), when they load it too. When
+    rank 0 cannot load it, every rank raises (rank 0 its own error, the others a `ConfigError` quoting it)."""
 
     def __init__(self, strategy: Any):
         self.strategy = strategy
 
     def __call__(self, spec: Any, field: str, trust_remote_code: bool = False) -> nn.Module:
-        model = load_causal_lm(spec, field, trust_remote_code) if self.strategy.global_rank == 0 else None
-        recipe = self.strategy.broadcast(skeleton_recipe(model) if model is not None else None, src=0)
-        if model is not None:
+        if self.strategy.global_rank == 0:
+            try:
+                model = load_causal_lm(spec, field, trust_remote_code)
+            except Exception as err:  # the other ranks wait for the recipe: tell them, so every rank stops
+                self.strategy.broadcast((None, f"{type(err).__name__}: {err}"), src=0)
+                raise
+            self.strategy.broadcast((skeleton_recipe(model), None), src=0)
             return model
+        recipe, error = self.strategy.broadcast(None, src=0)
+        if error is not None:
+            raise ConfigError(f"{field}: rank 0 could not load {spec!r} ({error})")
         if recipe is None:
             return load_causal_lm(spec, field, trust_remote_code)
         model_class, config, dtype, generation_config = recipe

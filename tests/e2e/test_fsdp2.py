@@ -45,7 +45,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(strategy: str, out: Path, *options: str) -> None:
+def launch(strategy: str, out: Path, *options: str, timeout: int = 300) -> tuple[list[int], list[str]]:
+    """Both ranks of an fsdp2_run.py fit; their exit codes and stderr."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE), os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *options]
@@ -61,14 +62,19 @@ def run(strategy: str, out: Path, *options: str) -> None:
         for r in (0, 1)
     ]
     try:
-        stderr = [proc.communicate(timeout=300)[1] for proc in procs]
+        stderr = [proc.communicate(timeout=timeout)[1] for proc in procs]
     except subprocess.TimeoutExpired:
         pytest.fail(f"the {strategy} run did not finish in time (a hung collective?)")
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    assert [p.returncode for p in procs] == [0, 0], stderr[0][-3000:] + stderr[1][-3000:]
+    return [p.returncode for p in procs], stderr
+
+
+def run(strategy: str, out: Path, *options: str) -> None:
+    codes, stderr = launch(strategy, out, *options)
+    assert codes == [0, 0], stderr[0][-3000:] + stderr[1][-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +131,17 @@ def tiny_llama_folder(folder: Path) -> Path:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def test_when_rank_0_cannot_read_the_weights_every_rank_stops_with_its_error(tmp_path):
+    folder = tiny_llama_folder(tmp_path / "llama")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # an interrupted download
+    codes, stderr = launch("fsdp2", tmp_path, "--policy", str(folder), timeout=120)
+    assert codes[0] != 0 and codes[1] != 0
+    assert "a weights file of" in stderr[0] and "truncated or damaged" in stderr[0]
+    quoted = f"model.policy: rank 0 could not load {str(folder)!r} (ConfigError: model.policy: a weights file"
+    assert quoted in stderr[1]
 
 
 def test_ppo_from_a_folder_under_fsdp2_with_a_sharded_value_head_trains_like_ddp(tmp_path):
