@@ -313,8 +313,8 @@ def _with_adapters(shape: ModelShape, adapters: int) -> ModelShape:
 
 FSDP2_CPU_NOTE = (
     "note: under FSDP2 on CPU the measured peak RSS was 2.6-2.9x this plan (SmolLM2, 2 processes, "
-    "benchmarks/fsdp2_memory.py): rank 0 holds the full models while it sends their shards, the rollout gathers "
-    "the policy and the allocator keeps freed memory; read the plan as a lower bound there"
+    "benchmarks/fsdp2_memory.py), mostly freed memory glibc keeps: MALLOC_MMAP_THRESHOLD_=131072 in the "
+    "environment brought it to 1.7x; read the plan as a lower bound there"
 )
 
 
