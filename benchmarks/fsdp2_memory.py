@@ -6,8 +6,10 @@ same global batch (each rank samples for its own prompts), the same GRPO setting
 Each strategy runs as 2 worker processes of this script (LOCAL_RANK, MASTER_PORT, ... set as torchrun would),
 one after the other. Every rank records, after the fit, the bytes it holds itself (a `DTensor`'s local shard, a
 plain tensor whole) of the trainable parameters, the frozen ones (reference) and AdamW's state, its peak RSS
-(`ru_maxrss`, libraries included: after the models are built and sharded, after the first step, after the fit)
-and each step's wall time. Results go to
+(`ru_maxrss`, libraries included: after the models are built and sharded, after each step, after the fit), each
+step's wall time and the memory plan (`lit_rlhf.training.memory_plan`) for its settings. A baseline of 2 processes
+measured the same way (DDP over gloo, the same imports and tokenizer, a 3-step fit of an 8 x 8 linear layer) is
+subtracted from each peak before it is compared with the plan. Results go to
 benchmarks/results/fsdp2_memory_<time>.json and a markdown table to stdout. `--policy smollm2` needs
 models/smollm2-135m (or $LIT_RLHF_SMOLLM2).
 """
@@ -59,6 +61,31 @@ def local_bytes(tensors: Any) -> int:
     return total
 
 
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def baseline_worker(args: argparse.Namespace) -> None:
+    """What every rank holds besides the RL fit: the interpreter, the libraries, the tokenizer, gloo and
+    Lightning's DDP loop (an 8 x 8 linear layer)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import lit_rlhf  # noqa: F401
+    from lit_rlhf.models.loading import load_tokenizer
+    from lit_rlhf.rewards.functions import resolve_reward_fns
+    from memory_plan import fit_tiny_layer  # benchmarks/ is on the path when run as a script
+
+    setup = SETUPS[args.policy]
+    load_tokenizer(setup["policy"])
+    resolve_reward_fns([setup["reward"]])
+    trainer = fit_tiny_layer(
+        args.steps, devices=2, strategy="ddp", enable_progress_bar=False, enable_model_summary=False
+    )
+    with open(os.path.join(args.out, f"baseline_rank{trainer.global_rank}.json"), "w") as f:
+        json.dump({"strategy": "baseline", "rank": trainer.global_rank, "peak_rss_mib": peak_rss_mib()}, f)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -67,6 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+    from lit_rlhf.training.memory_plan import plan_memory, plan_settings
 
     setup = SETUPS[args.policy]
     L.seed_everything(0)
@@ -87,12 +115,10 @@ def worker(args: argparse.Namespace) -> None:
     rss: dict[str, float] = {}
     step_peaks: list[float] = []
 
-    def peak_rss_mib() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
     class StepClock(L.Callback):
         def on_fit_start(self, trainer, pl_module):
             rss["setup"] = peak_rss_mib()  # the models built and sharded
+            rss["plan"] = plan_memory(plan_settings(pl_module, data, trainer)).total / MIB
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.start = time.perf_counter()
@@ -127,6 +153,7 @@ def worker(args: argparse.Namespace) -> None:
         "peak_rss_after_step1_mib": step_peaks[0],
         "peak_rss_after_each_step_mib": step_peaks,
         "step_s": steps,
+        "plan_mib": rss["plan"],
     }
     with open(os.path.join(args.out, f"{args.strategy}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
@@ -153,18 +180,22 @@ def launch(strategy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
-def table(records: list[dict[str, Any]]) -> str:
+def table(records: list[dict[str, Any]], baseline: list[float]) -> str:
     rows = [
+        f"baseline peak RSS (rank 0 / 1): {baseline[0]:.0f} / {baseline[1]:.0f} MiB",
         "| strategy | rank | trainable params (MiB) | optimizer state (MiB) | params + optimizer (MiB) | frozen "
-        "reference (MiB) | peak RSS after setup / step 1 / fit (MiB) | median step (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "reference (MiB) | peak RSS after setup / step 1 / fit (MiB) | median step (s) | plan (MiB) | fit peak "
+        "minus baseline (MiB) | plan error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         both = r["trainable_mib"] + r["optimizer_mib"]
+        measured = r["peak_rss_mib"] - baseline[r["rank"]]
         rows.append(
             f"| {r['strategy']} | {r['rank']} | {r['trainable_mib']:.1f} | {r['optimizer_mib']:.1f} | {both:.1f} | "
             f"{r['frozen_mib']:.1f} | {r['peak_rss_after_setup_mib']:.0f} / {r['peak_rss_after_step1_mib']:.0f} / "
-            f"{r['peak_rss_mib']:.0f} | {statistics.median(r['step_s']):.2f} |"
+            f"{r['peak_rss_mib']:.0f} | {statistics.median(r['step_s']):.2f} | {r['plan_mib']:.0f} | "
+            f"{measured:.0f} | {(r['plan_mib'] - measured) / measured:+.0%} |"
         )
     return "\n".join(rows)
 
@@ -174,20 +205,22 @@ def main() -> None:
     parser.add_argument("--policy", choices=sorted(SETUPS), default="smollm2")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--strategies", nargs="+", choices=("ddp", "fsdp2"), default=["ddp", "fsdp2"])
-    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2", "baseline"), help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)  # the workers' per-rank records
     args = parser.parse_args()
     if args.worker:
-        worker(args)
+        baseline_worker(args) if args.strategy == "baseline" else worker(args)
         return
     with tempfile.TemporaryDirectory() as args.out:
+        baseline = [r["peak_rss_mib"] for r in launch("baseline", args)]
         records = [r for strategy in args.strategies for r in launch(strategy, args)]
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", f"fsdp2_memory_{stamp}.json"), "w") as f:
-        json.dump({"policy": args.policy, "steps": args.steps, "records": records}, f, indent=1)
-    print(table(records))
+        summary = {"policy": args.policy, "steps": args.steps, "baseline_mib": baseline, "records": records}
+        json.dump(summary, f, indent=1)
+    print(table(records, baseline))
 
 
 if __name__ == "__main__":

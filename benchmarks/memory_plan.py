@@ -21,6 +21,7 @@ import os
 import resource
 import subprocess
 import sys
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -67,34 +68,42 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def baseline(steps: int) -> dict:
-    """The same libraries and a `steps`-step Lightning fit of an 8 x 8 linear layer (manual AdamW steps)."""
+def fit_tiny_layer(steps: int, **trainer_args: Any) -> Any:
+    """A `steps`-step Lightning fit of an 8 x 8 linear layer (manual AdamW steps): Lightning's loop and torch's
+    first kernels, for a baseline. Returns the Trainer."""
     import lightning as L
-    import peft  # noqa: F401
     import torch
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layer = torch.nn.Linear(8, 8)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.manual_backward(self.layer(batch).log_softmax(-1).sum())
+            self.optimizers().step()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters())
+
+    data = torch.utils.data.DataLoader(torch.randn(4 * steps, 8), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, **trainer_args)
+    trainer.fit(Tiny(), data)
+    return trainer
+
+
+def baseline(steps: int) -> dict:
+    """The same libraries and a `steps`-step Lightning fit of an 8 x 8 linear layer."""
+    import lightning  # noqa: F401
+    import peft  # noqa: F401
     import transformers  # noqa: F401
 
     import lit_rlhf  # noqa: F401
     from lit_rlhf.tasks.digits import builtin_tokenizer
 
     builtin_tokenizer()
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
-            self.layer = torch.nn.Linear(8, 8)
-
-        def training_step(self, batch, batch_idx):
-            self.manual_backward(self.layer(batch).log_softmax(-1).sum())
-            self.optimizers().step()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters())
-
-    data = torch.utils.data.DataLoader(torch.randn(4 * steps, 8), batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False)
-    trainer.fit(Tiny(), data)
+    fit_tiny_layer(steps)
     return {"peak_mib": peak_mib()}
 
 

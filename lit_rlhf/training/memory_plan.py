@@ -12,7 +12,9 @@ task's builder for `builtin:<task>`), so parameters are counted exactly and no w
 - the rollout's KV cache: (batch_size x group_size) rows of (max_prompt_length + max_new_tokens) tokens, 2 x
   layers x kv_heads x head_dim values each;
 - under FSDP (`ModelParallelStrategy`, `FSDPStrategy`) the sharded models' weights, gradients and optimizer
-  states divided by the world size, plus the whole policy unsharded while it samples;
+  states divided by the world size, plus what FSDP2 gathers into storage of its own beside the shards: the whole
+  policy while it samples, and in the update the root unit (the parameters outside the repeated blocks), whole
+  from its forward through its backward, with its whole gradient and the reduce-scatter's copy of it;
 - with `sampling.backend: vllm` in colocate mode, the engine's share of the device instead of the rollout's KV
   cache: on a GPU `gpu_memory_utilization` x the device's total memory (vLLM's own budget for its weights, KV
   cache and activations); on a CPU its copy of the policy's weights plus `kv_cache_gib`; with LoRA, the merged
@@ -74,6 +76,7 @@ class ModelShape:
     vocab: int
     eager_attention: bool
     mlp_elements: int = ELEMENTS_PER_MLP
+    root_params: int = 0  # outside the repeated blocks (embeddings, final norm, an untied head): FSDP2's root unit
 
     @property
     def weight_bytes(self) -> int:
@@ -95,6 +98,7 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
     heads = config_value(config, "num_attention_heads", "n_head", default=1)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=nn.ModuleList())
     dtype = next(model.parameters()).dtype
     activation = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
     return ModelShape(
@@ -110,6 +114,7 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
         vocab=config_value(config, "vocab_size"),
         eager_attention=getattr(config, "_attn_implementation", "eager") == "eager",
         mlp_elements=ELEMENTS_PER_MLP_UNFUSED if activation in UNFUSED_ACTIVATIONS else ELEMENTS_PER_MLP,
+        root_params=params - sum(p.numel() for p in blocks.parameters()),
     )
 
 
@@ -312,9 +317,9 @@ def _with_adapters(shape: ModelShape, adapters: int) -> ModelShape:
 
 
 FSDP2_CPU_NOTE = (
-    "note: under FSDP2 on CPU the measured peak RSS was 2.6-2.9x this plan (SmolLM2, 2 processes, "
-    "benchmarks/fsdp2_memory.py), mostly freed memory glibc keeps: MALLOC_MMAP_THRESHOLD_=131072 in the "
-    "environment brought it to 1.7x; read the plan as a lower bound there"
+    "note: under FSDP2 on CPU glibc's allocator keeps much of the freed memory: the measured peak RSS was 1.8-1.9x "
+    "this plan (SmolLM2, 2 processes, benchmarks/fsdp2_memory.py), 1.2x with MALLOC_MMAP_THRESHOLD_=131072 in the "
+    "environment (slower steps); read the plan as a lower bound there"
 )
 
 
@@ -436,8 +441,14 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
         logits = rows * (s.new_tokens + 1) * policy.vocab * 4
         terms.append(Term("reference logits of the rollout", "update", logits, "data.batch_size or group_size"))
     if s.sharded and shard > 1:
-        gathered = policy.weight_bytes - policy.weight_bytes // shard
-        terms.append(Term("policy unsharded while sampling", "rollout", gathered, "more devices do not shrink it"))
+        # FSDP2 gathers into storage of its own beside the shards: the whole policy while it samples, and in the
+        # update the root unit (kept whole from its forward through its backward) with its whole gradient and
+        # the reduce-scatter's flat copy of it (with LoRA the root does not train)
+        fix = "more devices do not shrink it"
+        terms.append(Term("policy unsharded while sampling", "rollout", policy.weight_bytes, fix))
+        root_grads = 0 if s.lora is not None else 2 * policy.root_params
+        root = (policy.root_params + root_grads) * policy.element_bytes
+        terms.append(Term("root unit gathered in the update", "update", root, fix))
     return terms
 
 

@@ -50,7 +50,7 @@ from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
-from lit_rlhf.training.sharding import is_fsdp2, shard_module_models
+from lit_rlhf.training.sharding import is_fsdp2, reshard_frozen, shard_module_models
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -216,7 +216,9 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """Hook: one score per response, (B,) float. Default: the weighted reward functions and reward model.
         Every rollout and every held-out evaluation is scored here (truncation handling comes after)."""
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
-        return self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated)
+        scores = self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated)
+        reshard_frozen(self.reward_model)  # FSDP2
+        return scores
 
     def compute_advantages(
         self, rollout: Rollout, kl: Tensor | None, values: Tensor | None
@@ -236,6 +238,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         temperature = self.sampling.temperature
         share = self.algorithm.share_prompt_forward
         ref_logits = reference_logits(self.reference, rollout, share) if self.reference is not None else None
+        reshard_frozen(self.reference)  # FSDP2
         first_forward = None
         if self.algorithm.policy_forward_in_rollout(rollout.batch_size):
             with torch.no_grad():
@@ -287,4 +290,5 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         ref_logits = None
         if self.algorithm.full_kl_in_loss and self.reference is not None:
             ref_logits = reference_logits(self.reference, mb, self.algorithm.share_prompt_forward)
+            reshard_frozen(self.reference)  # FSDP2
         return ppo_objective(current, mb, self.algorithm, totals, self.sampling.temperature, ref_logits)

@@ -9,7 +9,11 @@ tensor_parallel_size=1, process_group_backend="gloo")` with `accelerator="cpu"`)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import ctypes
+import ctypes.util
+import functools
+import platform
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
@@ -101,3 +105,37 @@ def unsharded_for_rollout(model: nn.Module) -> Iterator[None]:
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(True, recurse=False)
+        if units and all(p.device.type == "cpu" for p in model.parameters()):
+            return_freed_memory()
+
+
+def reshard_frozen(model: nn.Module | None) -> None:
+    """Reshard a frozen FSDP2 root after its forward. FSDP2 leaves a root unit gathered after its forward because
+    its backward would gather it again at once; a frozen model (reference, reward model) has no backward, so its
+    root (embeddings, final norm, head) would stay whole until the end of the fit."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None on another C library."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name).malloc_trim
+
+
+def return_freed_memory() -> None:
+    """Hand the pages glibc's allocator holds free back to the system (`malloc_trim(0)`).
+
+    On CPU the gathered policy (hundreds of MiB, freed at each reshard) lands in the allocator's heap, which keeps
+    freed pages resident: without this, a process's RSS under FSDP2 grew by about a gathered policy per rollout
+    for the first few steps (docs/memory.md). A no-op off glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -152,6 +152,9 @@ def main() -> None:
         "loads": loads,
         "optimized": {"tensors": len(optimized), "dtensors": sum(hasattr(p, "full_tensor") for p in optimized)},
     }
+    if module.reference is not None:  # after the fit: its forwards must not leave any unit gathered
+        frozen = list(module.reference.parameters())
+        record["reference"] = {"tensors": len(frozen), "dtensors": sum(hasattr(p, "full_tensor") for p in frozen)}
     if args.validate:
         record["validate"] = validate(trainer, module)
     with open(os.path.join(args.out, f"{tag}_rank{trainer.global_rank}.json"), "w") as f:

@@ -153,6 +153,9 @@ def test_ppo_from_a_folder_under_fsdp2_with_a_sharded_value_head_trains_like_ddp
     assert_like_ddp(tmp_path, "ppo_fsdp2", "ppo_ddp")
     assert loads(tmp_path, "ppo_fsdp2") == [["model.policy"], []]
     assert {"value_head.weight", "value_head.bias"} <= set(torch.load(tmp_path / "ppo_fsdp2.pt"))
+    for rank in (0, 1):  # the frozen reference's root is resharded after each forward, not left whole to the end
+        reference = json.loads((tmp_path / f"ppo_fsdp2_rank{rank}.json").read_text())["reference"]
+        assert reference["dtensors"] == reference["tensors"] > 0
 
 
 def exported(folder: Path) -> torch.nn.Module:

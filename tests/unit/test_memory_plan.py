@@ -52,7 +52,19 @@ def test_sharding_divides_weights_gradients_and_optimizer_by_the_world_size():
         assert two[name] == one[name] // 2, name
     replicated = PlanSettings(policy="builtin:digits", world_size=2, sharded=True, shard_frozen=False)
     assert terms(plan_memory(replicated))["reference weights (frozen)"] == one["reference weights (frozen)"]
-    assert "policy unsharded while sampling" in two
+
+
+def test_sharding_counts_what_fsdp2_gathers_beside_the_shards():
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    model = builtin_policy()  # GPT-2: the blocks in transformer.h; wte, wpe, ln_f (and the tied head) outside
+    total = sum(p.numel() for p in model.parameters())
+    root = total - sum(p.numel() for p in model.transformer.h.parameters())
+    assert 0 < root < total
+    two = terms(plan_memory(PlanSettings(policy="builtin:digits", world_size=2, sharded=True)))
+    assert two["policy unsharded while sampling"] == total * 4  # a whole copy, the shard stays
+    assert two["root unit gathered in the update"] == 3 * root * 4  # weights, gradient, reduce-scatter copy
+    assert "root unit gathered in the update" not in terms(plan_memory(PlanSettings(policy="builtin:digits")))
 
 
 def test_lora_under_sharding_counts_the_adapters_with_the_weights_and_divides_both():
@@ -68,7 +80,11 @@ def test_lora_under_sharding_counts_the_adapters_with_the_weights_and_divides_bo
     assert one["policy weights"] == total * 4
     assert two["policy weights"] == total * 4 // 2
     assert two["gradients"] == adapters * 4 // 2 and two["optimizer state (AdamW, fp32)"] == 2 * 4 * adapters // 2
-    assert two["policy unsharded while sampling"] == total * 4 - total * 4 // 2
+    assert two["policy unsharded while sampling"] == total * 4
+    root = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in model.base_model.model.transformer.h.parameters()
+    )
+    assert two["root unit gathered in the update"] == root * 4  # frozen under LoRA: no gradient of its own
 
 
 def test_gradient_checkpointing_and_micro_batches_shrink_the_activations():
