@@ -50,7 +50,7 @@ from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
-from lit_rlhf.training.sharding import is_fsdp2, reshard_frozen, shard_module_models
+from lit_rlhf.training.sharding import check_fsdp2_settings, is_fsdp2, reshard_frozen, shard_module_models
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -161,6 +161,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         options = {k: self.hparams[k] for k in BUILD_OPTIONS}
         strategy: Any = self._trainer.strategy if self._trainer is not None and is_fsdp2(self._trainer) else None
         if strategy is not None:  # ModelParallelStrategy: rank 0 alone reads the weights (training/rank0_weights.py)
+            check_fsdp2_settings(self, getattr(self, "shard_frozen", True))
             options["load_model"] = Rank0Loader(strategy)
         models = build_models(self.specs, self.tokenizer, self.algorithm, **options)
         self.actor_critic = models.actor_critic

@@ -60,18 +60,31 @@ def check_checkpoint_writer(strategy: Any) -> None:
         )
 
 
-def shard_module_models(module: Any, shard_frozen: bool) -> None:
-    """`fully_shard` the policy (blocks, then root), a separate critic the same way, the value head as its own
-    unit, and the frozen reference and reward model when `shard_frozen` (else each rank keeps a full copy). The
-    actor-critic itself is not a unit: sampling runs the policy alone, and FSDP2 wants a unit's first forward to
-    come through its root. A LoRA policy (a peft model) is sharded the same way: each block's unit holds its frozen
-    weights and its adapters, and the adapter-disabled reference runs the sharded policy."""
+def check_fsdp2_settings(module: Any, shard_frozen: bool) -> None:
+    """Refuse, before any model loads, what FSDP2 cannot run here: tensor parallelism, `AtomicCheckpointIO` with
+    distributed checkpoints, and a sharded reward model scored on `overlap_scoring`'s background thread (its
+    gathers would interleave with the training thread's collectives in a different order on each rank)."""
     if module.device_mesh.ndim > 1 and module.device_mesh["tensor_parallel"].size() > 1:
         raise ConfigError(
             "trainer.strategy: ModelParallelStrategy with tensor_parallel_size > 1 is not supported; set "
             "tensor_parallel_size: 1 (FSDP2 over all devices)"
         )
     check_checkpoint_writer(module.trainer.strategy)
+    if module.hparams.get("overlap_scoring") and module.specs.reward_model is not None and shard_frozen:
+        raise ConfigError(
+            "model.overlap_scoring: true scores on a background thread, and under ModelParallelStrategy the reward "
+            f"model ({module.specs.reward_model!r}) is sharded, so its gathers would run beside the training "
+            "thread's collectives; set model.overlap_scoring: false, or keep the reward model whole on every rank "
+            "(module.shard_frozen = False before the fit)"
+        )
+
+
+def shard_module_models(module: Any, shard_frozen: bool) -> None:
+    """`fully_shard` the policy (blocks, then root), a separate critic the same way, the value head as its own
+    unit, and the frozen reference and reward model when `shard_frozen` (else each rank keeps a full copy). The
+    actor-critic itself is not a unit: sampling runs the policy alone, and FSDP2 wants a unit's first forward to
+    come through its root. A LoRA policy (a peft model) is sharded the same way: each block's unit holds its frozen
+    weights and its adapters, and the adapter-disabled reference runs the sharded policy."""
     mesh = module.device_mesh["data_parallel"] if "data_parallel" in module.device_mesh.mesh_dim_names else None
     actor_critic = module.actor_critic
     shard_model(actor_critic.policy, mesh)  # a root of its own: sampling calls the policy, not the actor-critic

@@ -102,20 +102,38 @@ def test_an_existing_export_folder_is_refused_on_every_rank_before_the_gather(on
     assert (folder / "notes.txt").read_text() == "mine"
 
 
-def test_unsupported_fsdp2_combinations_are_refused_before_sharding():
+def test_unsupported_fsdp2_combinations_are_refused_before_loading():
     from types import SimpleNamespace
 
     from lit_rlhf.config import ConfigError
-    from lit_rlhf.training.sharding import shard_module_models
+    from lit_rlhf.training.sharding import check_fsdp2_settings
 
     class Mesh:
         ndim = 2
 
+        def __init__(self, tensor_parallel: int) -> None:
+            self.tensor_parallel = tensor_parallel
+
         def __getitem__(self, name):
-            return SimpleNamespace(size=lambda: 2)
+            return SimpleNamespace(size=lambda: self.tensor_parallel)
+
+    def module(tensor_parallel: int = 1, overlap_scoring: bool = False, reward_model: str | None = None):
+        strategy = SimpleNamespace(_save_distributed_checkpoint=True, checkpoint_io=None)
+        return SimpleNamespace(
+            hparams={"overlap_scoring": overlap_scoring},
+            device_mesh=Mesh(tensor_parallel),
+            trainer=SimpleNamespace(strategy=strategy),
+            specs=SimpleNamespace(reward_model=reward_model),
+        )
 
     with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported"):
-        shard_module_models(SimpleNamespace(hparams={}, device_mesh=Mesh()), True)
+        check_fsdp2_settings(module(tensor_parallel=2), True)
+    overlapped = module(overlap_scoring=True, reward_model="builtin:digits")
+    with pytest.raises(ConfigError, match="model.overlap_scoring: true .*'builtin:digits'.*shard_frozen = False"):
+        check_fsdp2_settings(overlapped, True)
+    check_fsdp2_settings(overlapped, False)  # a whole reward model on every rank gathers nothing
+    check_fsdp2_settings(module(overlap_scoring=True), True)  # reward functions only
+    check_fsdp2_settings(module(reward_model="builtin:digits"), True)  # scored on the training thread
 
 
 def test_atomic_checkpoint_io_with_distributed_checkpoints_is_refused():
