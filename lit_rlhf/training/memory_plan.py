@@ -38,6 +38,7 @@ from torch import nn
 
 from lit_rlhf.config import ConfigError, VLLMConfig
 from lit_rlhf.registry import get_task, is_builtin
+from lit_rlhf.training.sharding import longest_module_list
 
 MemoryCheck = Literal["error", "warn", "off"]
 GiB = 1024**3
@@ -98,7 +99,7 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
     heads = config_value(config, "num_attention_heads", "n_head", default=1)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    blocks = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=nn.ModuleList())
+    blocks = longest_module_list(model) or nn.ModuleList()
     dtype = next(model.parameters()).dtype
     activation = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
     return ModelShape(

@@ -26,16 +26,21 @@ def is_fsdp2(trainer: Any) -> bool:
     return trainer is not None and type(trainer.strategy).__name__ == "ModelParallelStrategy"
 
 
+def longest_module_list(model: nn.Module) -> nn.ModuleList | None:
+    """The longest `nn.ModuleList` in `model` (the first of equal lengths): its repeated blocks (`model.layers`,
+    `transformer.h`, ...); None when it has none."""
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks: the longest `nn.ModuleList` in it (`model.layers`, `transformer.h`, ...)."""
-    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
+    """The model's repeated blocks (`longest_module_list`), or a `ConfigError` when it has none."""
+    blocks = longest_module_list(model)
+    if blocks is None:
         raise ConfigError(
             f"trainer.strategy: ModelParallelStrategy shards a model block by block, but {type(model).__name__} "
             "has no nn.ModuleList of blocks; use strategy: ddp"
         )
-    sizes = [len(blocks) for blocks in lists]
-    return list(lists[sizes.index(max(sizes))])
+    return list(blocks)
 
 
 def shard_model(model: nn.Module, mesh: Any) -> None:
