@@ -78,6 +78,7 @@ class ModelShape:
     eager_attention: bool
     mlp_elements: int = ELEMENTS_PER_MLP
     root_params: int = 0  # outside the repeated blocks (embeddings, final norm, an untied head): FSDP2's root unit
+    root_trainable: int = 0  # of those, the ones that train (with LoRA: only a `modules_to_save` copy)
 
     @property
     def weight_bytes(self) -> int:
@@ -100,6 +101,8 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = longest_module_list(model) or nn.ModuleList()
+    in_blocks = {id(p) for p in blocks.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
     dtype = next(model.parameters()).dtype
     activation = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
     return ModelShape(
@@ -115,7 +118,8 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
         vocab=config_value(config, "vocab_size"),
         eager_attention=getattr(config, "_attn_implementation", "eager") == "eager",
         mlp_elements=ELEMENTS_PER_MLP_UNFUSED if activation in UNFUSED_ACTIVATIONS else ELEMENTS_PER_MLP,
-        root_params=params - sum(p.numel() for p in blocks.parameters()),
+        root_params=sum(p.numel() for p in root),
+        root_trainable=sum(p.numel() for p in root if p.requires_grad),
     )
 
 
@@ -148,15 +152,16 @@ def meta_model(spec: Any, field: str, kind: Literal["causal", "classifier"], tru
     return model.to(config_dtype(config))
 
 
-def lora_trainable(model: nn.Module, lora: dict[str, Any]) -> int:
-    """Parameters the LoRA adapters add to `model` (a meta-device copy gets them; nothing is allocated)."""
+def lora_shape(model: nn.Module, lora: dict[str, Any], element_bytes: int | None) -> ModelShape:
+    """The shape of `model` wrapped with LoRA: the base weights plus the adapters (and any `modules_to_save`
+    copies), of which only the adapters and copies train. A meta-device copy is wrapped; nothing is allocated."""
     import copy
 
     from lit_rlhf.models.lora import apply_lora
 
     with torch.device("meta"):
         wrapped = apply_lora(copy.deepcopy(model), lora)
-    return sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    return shape_of(wrapped, element_bytes)
 
 
 @dataclass
@@ -295,9 +300,7 @@ def model_shapes(s: PlanSettings) -> dict[str, ModelShape]:
     size = 2 if s.half_precision else None
     with _quiet():
         policy = meta_model(s.policy, "model.policy", "causal", s.trust_remote_code)
-        shapes = {"policy": shape_of(policy, size)}
-        if s.lora is not None:
-            shapes["policy"] = _with_adapters(shapes["policy"], lora_trainable(policy, s.lora))
+        shapes = {"policy": shape_of(policy, size) if s.lora is None else lora_shape(policy, s.lora, size)}
         if s.uses_reference and s.lora is None:
             reference = policy if s.reference is None else meta_model(s.reference, "model.reference", "causal", False)
             shapes["reference"] = shape_of(reference, size)
@@ -307,14 +310,6 @@ def model_shapes(s: PlanSettings) -> dict[str, ModelShape]:
             reward = meta_model(s.reward_model, "model.reward_model", "classifier", s.trust_remote_code)
             shapes["reward model"] = shape_of(reward, size)
     return shapes
-
-
-def _with_adapters(shape: ModelShape, adapters: int) -> ModelShape:
-    """The base model's shape with `adapters` LoRA parameters added: they are held (and sharded) beside the base
-    weights, and are all that trains."""
-    from dataclasses import replace
-
-    return replace(shape, params=shape.params + adapters, trainable=adapters)
 
 
 FSDP2_CPU_NOTE = (
@@ -444,11 +439,10 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
     if s.sharded and shard > 1:
         # FSDP2 gathers into storage of its own beside the shards: the whole policy while it samples, and in the
         # update the root unit (kept whole from its forward through its backward) with its whole gradient and
-        # the reduce-scatter's flat copy of it (with LoRA the root does not train)
+        # the reduce-scatter's flat copy of its trainable part (with LoRA, only a `modules_to_save` copy trains)
         fix = "more devices do not shrink it"
         terms.append(Term("policy unsharded while sampling", "rollout", policy.weight_bytes, fix))
-        root_grads = 0 if s.lora is not None else 2 * policy.root_params
-        root = (policy.root_params + root_grads) * policy.element_bytes
+        root = (policy.root_params + 2 * policy.root_trainable) * policy.element_bytes
         terms.append(Term("root unit gathered in the update", "update", root, fix))
     return terms
 

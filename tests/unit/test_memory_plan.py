@@ -87,6 +87,21 @@ def test_lora_under_sharding_counts_the_adapters_with_the_weights_and_divides_bo
     assert two["root unit gathered in the update"] == root * 4  # frozen under LoRA: no gradient of its own
 
 
+def test_lora_modules_to_save_train_in_the_root_unit_under_sharding():
+    pytest.importorskip("peft")
+    from lit_rlhf.tasks.digits import builtin_policy
+
+    model = builtin_policy()
+    embedding = model.transformer.wte.weight.numel()
+    outside_blocks = sum(p.numel() for p in model.parameters()) - sum(
+        p.numel() for p in model.transformer.h.parameters()
+    )
+    lora = {"r": 4, "modules_to_save": ["wte"]}  # a trained copy of the embedding beside the frozen one
+    two = terms(plan_memory(PlanSettings(policy="builtin:digits", lora=lora, world_size=2, sharded=True)))
+    # the root now holds the copy too, and the copy has a whole gradient and a reduce-scatter copy of it
+    assert two["root unit gathered in the update"] == (outside_blocks + embedding + 2 * embedding) * 4
+
+
 def test_gradient_checkpointing_and_micro_batches_shrink_the_activations():
     base = dict(policy="builtin:digits", prompts_per_device=8, group_size=4, prompt_tokens=16, new_tokens=8)
     full = plan_memory(PlanSettings(**base))
