@@ -11,8 +11,8 @@ problems are drawn with a fixed seed of their own, so both seeds are scored on t
 one number per task. Runs go `--jobs` at a time, each with OMP_NUM_THREADS=1 unless set.
 
 Printed per task: before, per seed the final accuracy (the best of the in-training evaluations in brackets) and
-the optimizer steps done; then two held-out replies of the first seed's final weights. A JSON summary goes to
-`--out/summary.json`.
+the optimizer steps done; then two held-out replies of each seed's final weights (the same two problems). A JSON
+summary goes to `--out/summary.json`.
 """
 
 from __future__ import annotations
@@ -144,9 +144,10 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             summary[task]["seeds"][seed] = {"final": final, "best_during": best, "rollouts_logged": len(steps)}
             line += f" | seed {seed}: {final:.3f} (best {best:.3f}), {final - before:+.3f}, {len(steps)} rollouts"
         print(line)
-        for row in held_out_replies(os.path.join(folder, f"seed{args.seeds[0]}", "final"), 2):
-            question = row["prompt"].rsplit("user\n", 1)[-1].split("<|im_end|>")[0]  # SmolLM2's chat template
-            print(f"    {question!r} -> {row['response']!r} (score {row['score']:.2f})")
+        for seed in args.seeds:  # the same held-out problems for every seed
+            for row in held_out_replies(os.path.join(folder, f"seed{seed}", "final"), 2):
+                question = row["prompt"].rsplit("user\n", 1)[-1].split("<|im_end|>")[0]  # SmolLM2's chat template
+                print(f"    seed {seed}: {question!r} -> {row['response']!r} (score {row['score']:.2f})")
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=1)
     return summary
