@@ -10,9 +10,9 @@ final weights on the task's 200 held-out problems (greedy), and once per task th
 problems are drawn with a fixed seed of their own, so both seeds are scored on the same problems and "before" is
 one number per task. Runs go `--jobs` at a time, each with OMP_NUM_THREADS=1 unless set.
 
-Printed per task: before, per seed the final accuracy (the best of the in-training evaluations in brackets) and
-the optimizer steps done; then two held-out replies of each seed's final weights (the same two problems). A JSON
-summary goes to `--out/summary.json`.
+Printed per task: before (and the dataset scorer's mean, partial credit included), per seed the final accuracy
+(the best of the in-training evaluations in brackets) and the optimizer steps done; then two held-out replies of
+each seed's final weights (the same two problems). A JSON summary goes to `--out/summary.json`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ TASKS = (
     "basic_arithmetic?max_terms=2&max_digits=2&allow_negation=false&allow_parentheses=false",
 )
 HELD_OUT = "val/solved"
+SCORER_MEAN = "val/score_answer"  # the dataset's own score, partial credit included
 
 
 def slug(task: str) -> str:
@@ -134,8 +135,9 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     for task in args.tasks:
         folder = os.path.join(args.out, slug(task))
         before = metric(os.path.join(folder, "before"), HELD_OUT)[-1]
-        line = f"{task}\n  before {before:.3f}"
-        summary[task] = {"before": before, "seeds": {}}
+        before_score = metric(os.path.join(folder, "before"), SCORER_MEAN)[-1]
+        line = f"{task}\n  before {before:.3f} (scorer's mean {before_score:.3f})"
+        summary[task] = {"before": before, "before_scorer_mean": before_score, "seeds": {}}
         for seed in args.seeds:
             out = os.path.join(folder, f"seed{seed}")
             final = metric(os.path.join(out, "final"), HELD_OUT)[-1]
