@@ -159,6 +159,10 @@ def main() -> None:
         record["validate"] = validate(trainer, module)
     with open(os.path.join(args.out, f"{tag}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
+    # leave the gloo group before the interpreter exits: once, without this, rank 0 aborted at exit ("terminate
+    # called without an active exception", status -6) after a run that had finished and written its record
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
