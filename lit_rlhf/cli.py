@@ -342,14 +342,26 @@ def plan_main(argv: list[str] | None = None) -> None:
 
 
 def main_script() -> None:
-    """Console script `lit-rlhf`: `main()` returns the LightningCLI object, which `sys.exit` would print and
-    turn into exit status 1; this returns None (status 0)."""
+    """Console script `lit-rlhf` and `train.py`: `main()` returns the LightningCLI object, which `sys.exit` would
+    print and turn into exit status 1; this returns None (status 0) after leaving the process group."""
     main()
+    leave_process_group()
 
 
 def reward_script() -> None:
     """Console script `lit-rlhf-reward` (see `main_script`)."""
     reward_main()
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the torch.distributed group a finished multi-process run joined, before the interpreter exits.
+
+    Lightning does this at exit for NCCL only. A gloo group left to the interpreter's teardown once aborted a
+    finished run ("terminate called without an active exception", status -6 instead of 0).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ a fixed wall-clock budget per seed, with held-out exact accuracy before and afte
 
 python scripts/recipe_tasks.py --seeds 0 1 --minutes 30 --jobs 2   # the README's table (3 tasks x 2 seeds)
 python scripts/recipe_tasks.py --report-only                        # re-print the table from finished runs
+python scripts/recipe_tasks.py --set model.algorithm.kl_coef=0.04   # the recipe with one setting changed
 
 For every task and seed the recipe is trained unchanged except for its two `data` lines (the task), its seed and
 its time limit, with CSV logs and a `last.ckpt` under `--out/<task>/seed<N>`. Then `train.py validate` scores the
@@ -47,10 +48,27 @@ def slug(task: str) -> str:
     return "_".join([name, *values]).replace("false", "f").replace("true", "t")
 
 
-def run_config(task: str, seed: int, minutes: int, out: str, checkpoint: bool) -> str:
-    """The recipe for `task` and `seed`, CSV logs under `out` (and `last.ckpt` when `checkpoint`); its path."""
+def override(settings: dict[str, Any], assignment: str) -> None:
+    """Apply one `--set dotted.key=value` to the recipe's settings (the value read as YAML); unknown keys fail."""
+    key, sep, value = assignment.partition("=")
+    *parents, leaf = key.split(".")
+    node = settings
+    for name in parents:
+        node = node.get(name) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            break
+    if not sep or not isinstance(node, dict) or leaf not in node:
+        raise SystemExit(f"--set {assignment!r}: expected KEY=VALUE with KEY a setting of {RECIPE}")
+    node[leaf] = yaml.safe_load(value)
+
+
+def run_config(task: str, seed: int, minutes: int, out: str, checkpoint: bool, changes: list[str]) -> str:
+    """The recipe for `task` and `seed` with `changes` applied, CSV logs under `out` (and `last.ckpt` when
+    `checkpoint`); its path."""
     with open(RECIPE) as handle:
         settings = yaml.safe_load(handle)
+    for assignment in changes:
+        override(settings, assignment)
     settings["seed_everything"] = seed
     settings["data"]["prompts"] = settings["data"]["val_prompts"] = f"builtin:reasoning_gym/{task}"
     trainer = settings["trainer"]
@@ -82,13 +100,13 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[list[str]]]]:
     for task in args.tasks:
         for seed in args.seeds:
             out = os.path.join(args.out, slug(task), f"seed{seed}")
-            fit = run_config(task, seed, args.minutes, out, checkpoint=True)
-            final = run_config(task, seed, args.minutes, os.path.join(out, "final"), checkpoint=False)
+            fit = run_config(task, seed, args.minutes, out, True, args.set)
+            final = run_config(task, seed, args.minutes, os.path.join(out, "final"), False, args.set)
             last = os.path.join(out, "checkpoints", "last.ckpt")
             todo.append((out, [["fit", "--config", fit], ["validate", "--config", final, f"--ckpt_path={last}"]]))
     for task in args.tasks:
         out = os.path.join(args.out, slug(task), "before")
-        todo.append((out, [["validate", "--config", run_config(task, 0, args.minutes, out, checkpoint=False)]]))
+        todo.append((out, [["validate", "--config", run_config(task, 0, args.minutes, out, False, args.set)]]))
     return todo
 
 
@@ -162,6 +180,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=int, default=30)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "recipe_tasks"))
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="change a recipe setting")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     if not args.report_only:
