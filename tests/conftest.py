@@ -33,6 +33,23 @@ def _seed():
 
 
 @pytest.fixture
+def one_process_group(monkeypatch):
+    """A one-process gloo group on a free local port, destroyed after the test unless the test did it."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def tokenizer():
     from lit_rlhf.tasks.digits import builtin_tokenizer
 

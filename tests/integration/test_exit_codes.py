@@ -135,28 +135,17 @@ def test_sigterm_with_asynchronous_rollouts_keeps_those_in_flight_stops_the_prod
     assert all(r["index"] - r["weights_step"] <= k for r in in_flight)
 
 
-def test_train_py_leaves_the_process_group_of_a_finished_run(monkeypatch):
+def test_train_py_leaves_the_process_group_of_a_finished_run(one_process_group, monkeypatch):
     """A gloo group left to the interpreter's teardown once aborted a finished run with status -6: `train.py`
     destroys it after fit returns (here a one-process group and a stand-in fit)."""
     import runpy
-    import socket
 
     import torch.distributed as dist
 
     from lit_rlhf import cli
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
     fits = []
     monkeypatch.setattr(cli, "main", lambda args=None: fits.append(dist.is_initialized()))
-    try:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    finally:
-        left_over = dist.is_initialized()
-        if left_over:
-            dist.destroy_process_group()
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     assert fits == [True]  # the fit ran inside the group
-    assert not left_over
+    assert not dist.is_initialized()

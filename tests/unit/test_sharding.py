@@ -5,27 +5,13 @@ reference, its generations and its exports (merged or adapters only)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lit_rlhf.training.sharding import shard_model, transformer_blocks, unsharded_for_rollout
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
-
-
-@pytest.fixture
-def one_process_group():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
