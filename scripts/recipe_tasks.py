@@ -49,7 +49,8 @@ def slug(task: str) -> str:
 
 
 def override(settings: dict[str, Any], assignment: str) -> None:
-    """Apply one `--set dotted.key=value` to the recipe's settings (the value read as YAML); unknown keys fail."""
+    """Apply one `--set dotted.key=value` to the recipe's settings (the value read as YAML). The section must exist;
+    a key new to it is added, and `train.py` rejects a misspelled one before training."""
     key, sep, value = assignment.partition("=")
     *parents, leaf = key.split(".")
     node = settings
@@ -57,8 +58,8 @@ def override(settings: dict[str, Any], assignment: str) -> None:
         node = node.get(name) if isinstance(node, dict) else None
         if not isinstance(node, dict):
             break
-    if not sep or not isinstance(node, dict) or leaf not in node:
-        raise SystemExit(f"--set {assignment!r}: expected KEY=VALUE with KEY a setting of {RECIPE}")
+    if not sep or not isinstance(node, dict) or not leaf:
+        raise SystemExit(f"--set {assignment!r}: expected KEY=VALUE with KEY in a section of {RECIPE}")
     node[leaf] = yaml.safe_load(value)
 
 
