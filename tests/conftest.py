@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import socket
 import sys
 
 import pytest
@@ -32,16 +33,19 @@ def _seed():
     yield
 
 
+def free_port() -> int:
+    """A local TCP port nothing listens on now (for MASTER_PORT or a server the test starts)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture
 def one_process_group(monkeypatch):
     """A one-process gloo group on a free local port, destroyed after the test unless the test did it."""
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield

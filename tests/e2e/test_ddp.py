@@ -11,13 +11,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import free_port
 from lit_rlhf.tasks.digits import sort_digits_prompts
 
 pytestmark = pytest.mark.slow  # end-to-end: a real fit, several processes or a pretrained model
@@ -26,12 +26,6 @@ SCRIPT = Path(__file__).with_name("ddp_run.py")
 ALGORITHMS = ("ppo", "grpo")
 ROLLOUTS, BATCH, STEPS_PER_ROLLOUT = 4, 2, 2  # as in ddp_run.py: batch of 2 prompts per rank, 2 minibatches
 UNTIMED = ("time/", "perf/")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

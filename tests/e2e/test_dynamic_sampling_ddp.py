@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from conftest import free_port
 
 pytestmark = pytest.mark.slow  # end-to-end: two processes
 
@@ -57,12 +58,6 @@ SCRIPT = textwrap.dedent(
         json.dump(record.rows, handle)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 import lit_rlhf
+from conftest import free_port
 from lit_rlhf.registry import get_task
 
 pytestmark = pytest.mark.slow  # end-to-end: several processes
@@ -37,12 +37,6 @@ TOLERANCE = 1e-3
 # summation orders, and one lora_A scaled by 1% before training ends 1.5e-2 away.
 LORA_TOLERANCE = 1e-4
 SOURCE = Path(lit_rlhf.__file__).resolve().parents[1]  # the ranks import the lit_rlhf this test imported
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(strategy: str, out: Path, *options: str, timeout: int = 300) -> tuple[list[int], list[str]]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from conftest import free_port
 
 pytest.importorskip("torch.distributed.fsdp")
 pytestmark = pytest.mark.slow  # two processes
@@ -36,9 +37,6 @@ def check_on_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_a_nan_in_one_ranks_shard_is_reported_on_every_rank(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(check_on_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(check_on_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == ["0.weight"]

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from conftest import make_policy, prompt_batch
+from conftest import free_port, make_policy, prompt_batch
 from lit_rlhf import AlgorithmConfig, RLHFModule, SamplingConfig
 from lit_rlhf.algorithms import losses
 from lit_rlhf.algorithms.experience import policy_forward, sampler_metrics
@@ -56,9 +56,7 @@ def test_a_vllm_outside_the_tested_range_is_refused_unless_allowed(monkeypatch):
 
 
 def test_a_server_that_is_down_is_an_error_at_once(tokenizer):
-    with socket.socket() as sock:  # a port nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     start = time.monotonic()
     with pytest.raises(VLLMError, match=rf"the health check got no answer .*server_url=http://127.0.0.1:{port}"):
         make_backend(vllm_context(tokenizer, mode="server", server_url=f"http://127.0.0.1:{port}", timeout_s=30))
