@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent(
     from lightning.pytorch.callbacks import Callback
     from conftest import checksum
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+    from lit_rlhf.cli import leave_process_group
 
     class Record(Callback):
         def __init__(self):
@@ -56,6 +57,7 @@ SCRIPT = textwrap.dedent(
     trainer.fit(module, data)
     with open(f"rank{{trainer.global_rank}}.json", "w") as handle:
         json.dump(record.rows, handle)
+    leave_process_group()  # as train.py does: a gloo group left to the interpreter's exit once aborted rank 0
     """
 )
 
