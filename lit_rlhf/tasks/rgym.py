@@ -2,10 +2,10 @@
 `pip install 'lit_rlhf[reasoning-gym]'`).
 
 The knobs are the fields of the dataset's config (`chain_sum?min_terms=2&max_terms=3&max_digits=2`), each value read
-as JSON (`true`, `3`, `[1, 2]`; anything that is not JSON is a string), plus `answer_format`: `final` (the default:
-the answer is what the last line gives after its last `=`, `is` or `answer:`), `tags` (inside the reply's last
-`<answer></answer>`) or `last_line` (the reply's last non-empty line). reasoning-gym's own `seed` and `size` are set
-from the stream's seed and cannot be knobs.
+as JSON (`true`, `3`, `[1, 2]`; anything that is not JSON is a string; an enum knob takes the enum's values), plus
+`answer_format`: `final` (the default: the answer is what the last line gives after its last `=`, `is` or
+`answer:`), `tags` (inside the reply's last `<answer></answer>`) or `last_line` (the reply's last non-empty line).
+reasoning-gym's own `seed` and `size` are set from the stream's seed and cannot be knobs.
 
 Rows are chat rows: the dataset's question and the answer instruction as one user message, with the columns
 `rg_task` (the spec, which says how to rebuild the dataset), `rg_entry` (the dataset's item: question, answer,
@@ -24,6 +24,7 @@ range: the training stream (`prompts`, any seed) skips those questions and the h
 from __future__ import annotations
 
 import difflib
+import enum
 import functools
 import hashlib
 import json
@@ -32,7 +33,7 @@ import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.registry import Task, TaskFamily
@@ -95,17 +96,44 @@ def parse_spec(spec: str, field: str) -> tuple[str, dict[str, Any], str]:
             raise ConfigError(f"{field}: {key!r} is set by lit_rlhf from data.seed and the stream; drop it")
         if key not in allowed:
             raise ConfigError(f"{field}: {name} has no knob {key!r}; its knobs: {', '.join(allowed + list(OWN_KNOBS))}")
+    hints = get_type_hints(datasets[name][1])
+    knobs = {key: _as_enum(value, hints[key], f"{field}: {name} knob {key!r}") for key, value in knobs.items()}
     return name, knobs, answer_format
 
 
+def _as_enum(value: Any, hint: Any, where: str) -> Any:
+    """`value` with each string that the knob's type `hint` says is an Enum made into that Enum, by its value
+    (`aiw?task_types=["siblings"]`: `list[TaskType]`); any other value as it is."""
+    kinds = [kind for kind in (hint, *get_args(hint)) if isinstance(kind, type) and issubclass(kind, enum.Enum)]
+    if not kinds:
+        return value
+    if isinstance(value, list):
+        return [_as_enum(item, kinds[0], where) for item in value]
+    if not isinstance(value, str):
+        return value
+    try:
+        return kinds[0](value)
+    except ValueError:
+        choices = [member.value for member in kinds[0]]
+        raise ConfigError(f"{where}: {value!r} is not one of {choices}") from None
+
+
 def make_dataset(name: str, knobs: dict[str, Any], seed: int, field: str) -> Any:
-    """reasoning-gym's dataset `name` with `knobs`, `CHUNK` items from `seed`; a `ConfigError` for bad knobs."""
+    """reasoning-gym's dataset `name` with `knobs`, `CHUNK` items from `seed`, its first item drawn as a check; a
+    `ConfigError` for knobs its config refuses or that it cannot make a problem from."""
     dataset_cls, config_cls = _registry()[name]
     try:
-        config = config_cls(**knobs, seed=seed, size=CHUNK)
-        return dataset_cls(config=config)
+        dataset = dataset_cls(config=config_cls(**knobs, seed=seed, size=CHUNK))
     except (AssertionError, TypeError, ValueError) as err:
         raise ConfigError(f"{field}: {name} refuses the knobs {knobs}: {err or type(err).__name__}") from err
+    try:
+        dataset[0]
+    except Exception as err:  # a generator that fails on its knobs fails in its own way; name the knobs
+        raise ConfigError(
+            f"{field}: {name} accepts the knobs {knobs} but fails to make a problem with them ({err!r}); check them "
+            "against its config (a list knob and its weights knob must have the same length)"
+        ) from err
+    return dataset
 
 
 def held_out(question: str) -> bool:

@@ -111,6 +111,24 @@ def test_knob_values_the_dataset_refuses_fail_when_the_task_is_named(rgym):
         get_task("builtin:reasoning_gym/chain_sum?min_terms=4&max_terms=2", "data.prompts")
 
 
+def test_knobs_the_generator_cannot_use_fail_when_the_task_is_named(rgym):
+    # simple_equations' config takes one operator with its three default weights; only drawing a problem fails
+    with pytest.raises(ConfigError, match=r"data.prompts: simple_equations accepts the knobs \{'operators"):
+        get_task('builtin:reasoning_gym/simple_equations?operators=["+"]', "data.prompts")
+    spec = 'simple_equations?operators=["+"]&operators_weights=[1.0]'
+    rows = itertools.islice(get_task(f"builtin:reasoning_gym/{spec}", "data.prompts").prompts(0), 20)
+    assert all("*" not in row["rg_entry"]["question"].split("\n")[-1] for row in rows)
+
+
+def test_enum_knobs_are_given_by_their_values(rgym):
+    spec = 'aiw?task_types=["friends"]&task_type_weights=[1.0]'
+    rows = list(itertools.islice(get_task(f"builtin:reasoning_gym/{spec}", "data.prompts").prompts(0), 20))
+    assert {row["rg_entry"]["metadata"]["task_type"] for row in rows} == {"friends"}
+    with pytest.raises(ConfigError, match=r"f: aiw knob 'task_types': 'cousins' is not one of \['siblings', 'fr"):
+        rgym.parse_spec('aiw?task_types=["cousins"]', "f")
+    assert rgym.parse_spec("word_sorting?transformation=uppercase", "f")[1]["transformation"].value == "uppercase"
+
+
 def test_rows_are_seeded_chat_rows_with_the_entry_and_the_instruction(rgym):
     task = get_task(f"builtin:reasoning_gym/{SPEC}", "data.prompts")
     rows = list(itertools.islice(task.prompts(0), 50))
