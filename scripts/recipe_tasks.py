@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,10 +43,12 @@ SCORER_MEAN = "val/score_answer"  # the dataset's own score, partial credit incl
 
 
 def slug(task: str) -> str:
-    """A folder name for a task spec: its dataset name and knob values."""
+    """A folder name for a task spec: its dataset name and knob values, each run of other characters than letters,
+    digits, '.' and '-' (JSON lists' brackets, quotes, commas) made one '_'."""
     name, _, knobs = task.partition("?")
     values = [pair.partition("=")[2] for pair in knobs.split("&") if pair]
-    return "_".join([name, *values]).replace("false", "f").replace("true", "t")
+    folder = "_".join([name, *values]).replace("false", "f").replace("true", "t")
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", folder).strip("_")
 
 
 def override(settings: dict[str, Any], assignment: str) -> None:
