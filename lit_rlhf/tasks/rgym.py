@@ -119,21 +119,13 @@ def _as_enum(value: Any, hint: Any, where: str) -> Any:
 
 
 def make_dataset(name: str, knobs: dict[str, Any], seed: int, field: str) -> Any:
-    """reasoning-gym's dataset `name` with `knobs`, `CHUNK` items from `seed`, its first item drawn as a check; a
-    `ConfigError` for knobs its config refuses or that it cannot make a problem from."""
+    """reasoning-gym's dataset `name` with `knobs`, `CHUNK` items from `seed`; a `ConfigError` for bad knobs."""
     dataset_cls, config_cls = _registry()[name]
     try:
-        dataset = dataset_cls(config=config_cls(**knobs, seed=seed, size=CHUNK))
+        config = config_cls(**knobs, seed=seed, size=CHUNK)
+        return dataset_cls(config=config)
     except (AssertionError, TypeError, ValueError) as err:
         raise ConfigError(f"{field}: {name} refuses the knobs {knobs}: {err or type(err).__name__}") from err
-    try:
-        dataset[0]
-    except Exception as err:  # a generator that fails on its knobs fails in its own way; name the knobs
-        raise ConfigError(
-            f"{field}: {name} accepts the knobs {knobs} but fails to make a problem with them ({err!r}); check them "
-            "against its config (a list knob and its weights knob must have the same length)"
-        ) from err
-    return dataset
 
 
 def held_out(question: str) -> bool:
@@ -176,9 +168,17 @@ def _rows(spec: str, seed: int, held: bool, field: str) -> Iterator[dict[str, An
 
 
 def _member(spec: str, field: str) -> Task:
-    """The task for '<dataset>?<knobs>', its spec and knob values checked now (before any model loads)."""
+    """The task for '<dataset>?<knobs>', its spec and knob values checked now (before any model loads): the config
+    must take them and the generator must make a problem with them."""
     name, knobs, _ = parse_spec(spec, field)
-    make_dataset(name, knobs, 0, field)
+    dataset = make_dataset(name, knobs, 0, field)
+    try:
+        dataset[0]
+    except Exception as err:  # a generator that fails on its knobs fails in its own way; name the knobs
+        raise ConfigError(
+            f"{field}: {name} accepts the knobs {knobs} but fails to make a problem with them ({err!r}); check them "
+            "against its config (a list knob and its weights knob must have the same length)"
+        ) from err
     return _task(spec)
 
 
