@@ -8,7 +8,7 @@ from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.rewards.functions import rowwise
 from lit_rlhf.rollout.environment import Environment, StepResult
-from lit_rlhf.training.callbacks import SavePolicy
+from lit_rlhf.training.callbacks import SavePolicy, WritePredictions
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
@@ -31,6 +31,7 @@ __all__ = [
     "SamplingConfig",
     "SavePolicy",
     "StepResult",
+    "WritePredictions",
     "rowwise",
 ]
 __version__ = "0.5.0"

@@ -1,4 +1,5 @@
-"""Lightning callbacks: `SavePolicy` writes the trained policy as a Hugging Face folder when `fit` ends.
+"""Lightning callbacks: `SavePolicy` writes the trained policy as a Hugging Face folder when `fit` ends;
+`WritePredictions` writes what `trainer.predict` answers to a JSON-lines file.
 
     trainer = L.Trainer(callbacks=[SavePolicy("runs/grpo/policy")])
 
@@ -8,15 +9,22 @@ or in YAML:
       callbacks:
         - class_path: lit_rlhf.SavePolicy
           init_args: {folder: runs/grpo/policy}
+
+or on the command line:
+
+    python train.py predict --config run.yaml --ckpt_path last.ckpt \
+        --trainer.callbacks+=lit_rlhf.WritePredictions --trainer.callbacks.path replies.jsonl
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import lightning as L
 
+from lit_rlhf.config import ConfigError
 from lit_rlhf.models.export import ExportError, replace_problem, save_module_policy
 from lit_rlhf.models.full_weights import is_sharded
 
@@ -94,4 +102,64 @@ class SavePolicy(L.Callback):
         return path
 
 
-__all__ = ["SavePolicy"]
+class WritePredictions(L.Callback):
+    """Write the rows `trainer.predict` answers ({"prompt", "response", "score"}, see
+    `RLHFModule.predict_step`) to `path`, one JSON object per line, in the order of the predict prompts.
+
+    Rows are appended to `<path>.partial` as each batch ends and the file becomes `path` when the loop ends, so
+    `path` only ever holds a complete set: a crash or a signal leaves the rows so far in the `.partial` file and
+    any earlier `path` as it was. With several processes each writes its own share, `replies.rank<N>.jsonl`. With
+    no predict prompts Lightning skips the loop (and warns) and no file is written.
+
+    Args:
+        path: the JSON-lines file to write.
+        overwrite: replace a `path` that exists (only once the new one is complete); without it `predict` stops
+            at the start with an error naming the file, before anything is generated.
+    """
+
+    def __init__(self, path: str, overwrite: bool = False):
+        self.path = path
+        self.overwrite = overwrite
+        self.target = path  # this process's file (set in setup)
+        self.handle: Any = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "predict":
+            return
+        root, extension = os.path.splitext(self.path)
+        self.target = f"{root}.rank{trainer.global_rank}{extension}" if trainer.world_size > 1 else self.path
+        if os.path.lexists(self.target) and not self.overwrite:
+            raise ConfigError(
+                f"WritePredictions.path: {self.target!r} already exists; choose another path or set overwrite: "
+                "true to replace it once the new predictions are complete"
+            )
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.target)), exist_ok=True)
+        self.handle = open(self.target + ".partial", "w")  # noqa: SIM115  closed when the loop ends or fails
+
+    def on_predict_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        for row in outputs:
+            self.handle.write(json.dumps(row) + "\n")
+        self.handle.flush()
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.handle.close()
+        self.handle = None
+        os.replace(self.target + ".partial", self.target)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if self.handle is not None:  # keep the rows so far in the .partial file
+            self.handle.close()
+            self.handle = None
+
+
+__all__ = ["SavePolicy", "WritePredictions"]
