@@ -25,7 +25,7 @@ import lightning as L
 from lit_rlhf.config import ConfigError, check_choice, refuses_trl_names
 from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.data.prompts import PromptTokenizer
-from lit_rlhf.data.sources import PromptStream, builtin_rows, load_prompt_rows
+from lit_rlhf.data.sources import PromptStream, builtin_rows, load_prompt_rows, prompt_key
 from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.rewards.columns import check_columns
@@ -278,11 +278,16 @@ class RolloutDataModule(L.LightningDataModule):
     def _load_held_out(
         self, spec: Any, field: str, default: list[dict[str, Any]] | None = None
     ) -> list[dict[str, Any]] | None:
-        """A held-out prompt set: rows from a file, a list or 'builtin:<task>' (`val_size` rows)."""
+        """A held-out prompt set: rows from a file, a list or 'builtin:<task>' (`val_size` rows; for the test set,
+        rows that are not validation rows, so a checkpoint chosen on validation is reported on problems it was not
+        chosen on)."""
         if spec is None:
             return default
         if isinstance(spec, str) and is_builtin(spec):
-            return builtin_rows(spec, HELD_OUT_SEEDS[field], self.val_size, field)
+            exclude = frozenset()
+            if field == "data.test_prompts" and self.val_rows:
+                exclude = frozenset(prompt_key(row) for row in self.val_rows)
+            return builtin_rows(spec, HELD_OUT_SEEDS[field], self.val_size, field, exclude, "data.val_prompts")
         return self._rows(spec, field)
 
     def _load_val(self, spec: Any) -> list[dict[str, Any]] | None:

@@ -286,11 +286,38 @@ def load_prompt_rows(
     )
 
 
-def builtin_rows(spec: str, seed: int, count: int, field: str) -> list[dict[str, Any]]:
+MAX_EXCLUDED_IN_A_ROW = 20_000
+"""Consecutive rows of a built-in stream found in the excluded set after which `builtin_rows` gives up."""
+
+
+def prompt_key(row: dict[str, Any]) -> str:
+    """What a prompt row asks (its `prompt` text or `messages`), as a string to compare rows by."""
+    return json.dumps([row.get("prompt"), row.get("messages")], sort_keys=True)
+
+
+def builtin_rows(
+    spec: str, seed: int, count: int, field: str, exclude: frozenset[str] = frozenset(), excluded_from: str = ""
+) -> list[dict[str, Any]]:
     """The first `count` rows of the `builtin:<task>` held-out stream (its prompt stream if it has none) drawn with
-    `seed`."""
+    `seed`, skipping rows whose `prompt_key` is in `exclude` (the rows of setting `excluded_from`)."""
     task = get_task(spec, field)
-    return list(itertools.islice((task.held_out_prompts or task.prompts)(seed), count))
+    rows: list[dict[str, Any]] = []
+    skipped = 0
+    for row in (task.held_out_prompts or task.prompts)(seed):
+        if len(rows) == count:
+            break
+        if prompt_key(row) in exclude:
+            skipped += 1
+            if skipped >= MAX_EXCLUDED_IN_A_ROW:
+                raise ConfigError(
+                    f"{field}: {spec} gave only rows already in {excluded_from} for {skipped} draws ({len(rows)} "
+                    f"of {count} found): the task has too few distinct prompts for both sets; lower data.val_size "
+                    "or give a file"
+                )
+            continue
+        skipped = 0
+        rows.append(row)
+    return rows
 
 
 class PromptStream:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lit_rlhf import registry
+from lit_rlhf import RolloutDataModule, registry
 from lit_rlhf.config import ConfigError
 from lit_rlhf.data.sources import builtin_rows
 from lit_rlhf.registry import Task, TaskFamily, get_task
@@ -55,6 +55,33 @@ def test_held_out_rows_come_from_the_tasks_held_out_stream_when_it_has_one(monke
     fake_registry(monkeypatch, both=both, only=only)
     assert builtin_rows("builtin:both", 7, 2, "data.val_prompts") == [{"prompt": "held 7 0"}, {"prompt": "held 7 1"}]
     assert builtin_rows("builtin:only", 7, 1, "data.val_prompts") == [{"prompt": "train 7 0"}]
+
+
+def test_a_builtin_test_set_leaves_out_the_validation_rows(monkeypatch):
+    """Five distinct prompts: the test set skips the validation set's three, and asking for as many test rows
+    as there are prompts leaves none, which is an error naming both settings, not an endless loop."""
+    five = Task(
+        name="f",
+        tokenizer=object,
+        policy=object,
+        prompts=lambda seed: ({"prompt": f"q{i % 5}"} for i in itertools.count(seed)),
+    )
+    fake_registry(monkeypatch, five=five)
+    data = RolloutDataModule(
+        prompts="builtin:five", val_prompts="builtin:five", test_prompts="builtin:five", val_size=3
+    )
+    val = [row["prompt"] for row in data.val_rows]
+    assert val == ["q1", "q2", "q3"]  # seed 1_000_001: 1_000_001 % 5 == 1
+    assert [row["prompt"] for row in data.test_rows] == [
+        "q4",
+        "q0",
+        "q4",
+    ]  # from 1_000_002 (q2, q3, q4, ...), without q1-q3
+    assert [row["prompt"] for row in data.predict_rows] == val  # predict still answers the validation set
+    with pytest.raises(
+        ConfigError, match=r"data.test_prompts: builtin:five gave only rows already in data.val_prompts"
+    ):
+        RolloutDataModule(prompts="builtin:five", val_prompts="builtin:five", test_prompts="builtin:five", val_size=5)
 
 
 def test_without_reasoning_gym_the_error_names_the_extra(monkeypatch):
@@ -159,6 +186,14 @@ def test_reasoning_gym_seeds_overlap_so_held_out_rows_are_split_by_content(rgym)
     # about HELD_OUT_SHARE of the distinct questions drawn are held out
     drawn = [item["question"] for item in itertools.islice(rgym._items("chain_sum", {}, 5, "f"), 4000)]
     assert 0.09 < sum(map(rgym.held_out, set(drawn))) / len(set(drawn)) < 0.16
+
+
+def test_validation_and_test_sets_of_one_task_are_disjoint_held_out_questions(rgym):
+    spec = "builtin:reasoning_gym/chain_sum?min_terms=2&max_terms=2&max_digits=1"  # about 25 held-out questions
+    data = RolloutDataModule(prompts=spec, val_prompts=spec, test_prompts=spec, val_size=10)
+    val, test = ([row["rg_entry"]["question"] for row in rows] for rows in (data.val_rows, data.test_rows))
+    assert len(set(val)) == len(set(test)) == 10 and not set(val) & set(test)
+    assert all(map(rgym.held_out, val + test))
 
 
 def test_a_problem_space_too_small_for_the_held_out_set_is_an_error(rgym):
