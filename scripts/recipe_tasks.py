@@ -9,7 +9,8 @@ For every task and seed the recipe is trained unchanged except for its two `data
 its time limit, with CSV logs and a `last.ckpt` under `--out/<task>/seed<N>`. Then `train.py validate` scores the
 final weights on the task's 200 held-out problems (greedy), and once per task the untrained model: the held-out
 problems are drawn with a fixed seed of their own, so both seeds are scored on the same problems and "before" is
-one number per task. Runs go `--jobs` at a time, each with OMP_NUM_THREADS=1 unless set.
+one number per task. Runs go `--jobs` at a time, each with OMP_NUM_THREADS=1 and PYTHONHASHSEED=0 unless set (the
+latter so that datasets whose problems follow the string-hash seed make the same problems in every run).
 
 Printed per task: before (and the dataset scorer's mean, partial credit included), per seed the final accuracy
 (the best of the in-training evaluations in brackets) and the optimizer steps done; then two held-out replies of
@@ -117,6 +118,7 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[list[str]]]]:
 def run_jobs(args: argparse.Namespace) -> None:
     """Each job's commands in order, `--jobs` jobs at once; a failed command stops every other run."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
     pending, running = jobs(args), {}
     while pending or running:
         while pending and len(running) < args.jobs:

@@ -284,7 +284,7 @@ class RolloutDataModule(L.LightningDataModule):
         if spec is None:
             return default
         if isinstance(spec, str) and is_builtin(spec):
-            exclude = frozenset()
+            exclude: frozenset[str] = frozenset()
             if field == "data.test_prompts" and self.val_rows:
                 exclude = frozenset(prompt_key(row) for row in self.val_rows)
             return builtin_rows(spec, HELD_OUT_SEEDS[field], self.val_size, field, exclude, "data.val_prompts")

@@ -19,6 +19,12 @@ the scorer gives the entry's own answer full marks; otherwise its error propagat
 question belongs to the held-out share when the SHA-256 of its text falls in the lowest `HELD_OUT_SHARE` of the
 range: the training stream (`prompts`, any seed) skips those questions and the held-out stream
 (`held_out_prompts`) yields only them, each once. No held-out question is ever trained on, whatever the seeds.
+
+**Seeded means the same problems in every process.** Some generators iterate over a Python set of strings or sympy
+symbols (`polynomial_multiplication` picks its terms from one), so their problems change with Python's string-hash
+seed, which is random in every process unless `PYTHONHASHSEED` is set: the held-out set of one run would not be the
+next run's, or the untrained model's. When a task is named without a fixed `PYTHONHASHSEED`, its first problems are
+made here and in two interpreters with hash seeds 0 and 1; if they differ, that is a `ConfigError` asking for one.
 """
 
 from __future__ import annotations
@@ -28,15 +34,19 @@ import enum
 import functools
 import hashlib
 import json
+import os
 import random
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
+from subprocess import PIPE, Popen
 from typing import Any, get_args, get_type_hints
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.registry import Task, TaskFamily
+from lit_rlhf.tasks import rgym_fingerprint
 from lit_rlhf.tasks.text import make_row, text_policy, text_tokenizer
 
 FAMILY = "reasoning_gym"
@@ -167,6 +177,32 @@ def _rows(spec: str, seed: int, held: bool, field: str) -> Iterator[dict[str, An
         yield make_row(text, True, rg_task=spec, rg_entry=item, answer_format=answer_format)
 
 
+def hash_seed_is_random() -> bool:
+    """Whether this process (and the processes it starts) hash strings with a random seed: no fixed
+    PYTHONHASHSEED."""
+    return os.environ.get("PYTHONHASHSEED", "random") in ("", "random")
+
+
+@functools.cache
+def depends_on_hash_seed(spec: str) -> bool:
+    """Whether the problems of `spec` change with Python's string-hash seed: its fingerprint here and in two fresh
+    interpreters started with PYTHONHASHSEED 0 and 1 (a few seconds, once per spec and process)."""
+    name, knobs, _ = parse_spec(spec, "depends_on_hash_seed")
+    run = f"import runpy; runpy.run_path({rgym_fingerprint.__file__!r}, run_name='__main__')"  # no lit_rlhf import
+    script = [sys.executable, "-c", run, rgym_fingerprint.encode(name, knobs, CHUNK)]
+    children = [
+        Popen(script, env={**os.environ, "PYTHONHASHSEED": str(hash_seed)}, stdout=PIPE, stderr=PIPE, text=True)
+        for hash_seed in (0, 1)
+    ]
+    prints = {rgym_fingerprint.fingerprint(name, knobs, CHUNK)}
+    for child in children:
+        out, err = child.communicate()
+        if child.returncode:
+            raise RuntimeError(f"making {name}'s problems in a fresh interpreter failed:\n{err[-2000:]}")
+        prints.add(out.strip())
+    return len(prints) > 1
+
+
 def _member(spec: str, field: str) -> Task:
     """The task for '<dataset>?<knobs>', its spec and knob values checked now (before any model loads): the config
     must take them and the generator must make a problem with them."""
@@ -179,6 +215,13 @@ def _member(spec: str, field: str) -> Task:
             f"{field}: {name} accepts the knobs {knobs} but fails to make a problem with them ({err!r}); check them "
             "against its config (a list knob and its weights knob must have the same length)"
         ) from err
+    if hash_seed_is_random() and depends_on_hash_seed(spec):
+        raise ConfigError(
+            f"{field}: builtin:{FAMILY}/{spec}: {name}'s problems change with Python's string-hash seed, which is "
+            "random in every process, so its training problems and held-out set would differ from run to run "
+            "(and between the processes of one run); start Python with a fixed seed: PYTHONHASHSEED=0 python "
+            "train.py ... (export it for torchrun and scripts)"
+        )
     return _task(spec)
 
 

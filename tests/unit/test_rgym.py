@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import itertools
 import operator
+import os
 import sys
 from types import SimpleNamespace
 
@@ -194,6 +195,36 @@ def test_validation_and_test_sets_of_one_task_are_disjoint_held_out_questions(rg
     val, test = ([row["rg_entry"]["question"] for row in rows] for rows in (data.val_rows, data.test_rows))
     assert len(set(val)) == len(set(test)) == 10 and not set(val) & set(test)
     assert all(map(rgym.held_out, val + test))
+
+
+POLYNOMIALS = "polynomial_multiplication?min_terms=2&max_terms=2&max_value=5&max_degree=1"
+
+
+def test_a_dataset_whose_problems_follow_the_hash_seed_needs_a_fixed_one(rgym, monkeypatch):
+    import subprocess
+
+    # the fact checked: polynomial_multiplication picks terms from a set of sympy symbols, so a fresh interpreter
+    # with another hash seed makes other problems
+    make = (
+        "import reasoning_gym as rg; d = rg.create_dataset('polynomial_multiplication', seed=0, size=20, min_terms=2,"
+        " max_terms=2, max_value=5, max_degree=1); print([d[i]['question'] for i in range(20)])"
+    )
+    made = {
+        subprocess.run(
+            [sys.executable, "-c", make], env={**os.environ, "PYTHONHASHSEED": str(h)}, capture_output=True, text=True
+        ).stdout
+        for h in range(3)
+    }
+    assert len(made) > 1
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"data.prompts: .*polynomial_multiplication's problems change with .*PYTHONHASHSEED=0"
+    ):
+        get_task(f"builtin:reasoning_gym/{POLYNOMIALS}", "data.prompts")
+    assert not rgym.depends_on_hash_seed(SPEC)  # chain_sum draws from a seeded random.Random only
+    get_task(f"builtin:reasoning_gym/{SPEC}", "data.prompts")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # fixed in this process and those it starts: the same problems
+    get_task(f"builtin:reasoning_gym/{POLYNOMIALS}", "data.prompts")
 
 
 def test_a_problem_space_too_small_for_the_held_out_set_is_an_error(rgym):
