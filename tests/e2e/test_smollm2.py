@@ -111,34 +111,44 @@ def test_missing_model_folder_is_a_clear_error(tmp_path):
         ).configure_model()
 
 
-def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monkeypatch):
-    """configs/smollm2_grpo.yaml with tiny settings: 1 prompt x 2 samples x 4 new tokens, LoRA, one step."""
-    for package in ("peft", "vaderSentiment"):
-        pytest.importorskip(package)
+def fit_one_tiny_step(config: str, policy: str, *overrides: str):
+    """`train.py fit` of configs/`config` on the SmolLM2 folder for one step: groups of 2, 4 new tokens, no
+    logger or progress bar; `overrides` come last."""
     from lightning.pytorch.cli import LightningCLI
 
     from lit_rlhf import RLHFModule, RolloutDataModule
 
-    monkeypatch.chdir(tmp_path)
-    start = time.perf_counter()
-    cli = LightningCLI(
+    return LightningCLI(
         RLHFModule,
         RolloutDataModule,
         save_config_kwargs={"overwrite": True},
         args=[
             "fit",
             "--config",
-            os.path.join(ROOT, "configs", "smollm2_grpo.yaml"),
-            f"--model.policy={smollm2_folder}",
-            f"--data.prompts={os.path.join(ROOT, 'configs', 'prompts', 'smollm2_topics.jsonl')}",
-            "--data.batch_size=1",
+            os.path.join(ROOT, "configs", config),
+            f"--model.policy={policy}",
             "--model.algorithm.group_size=2",
             "--model.sampling.max_new_tokens=4",
             "--trainer.max_steps=1",
             "--trainer.logger=false",
             "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false",
+            *overrides,
         ],
+    )
+
+
+def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monkeypatch):
+    """configs/smollm2_grpo.yaml with tiny settings: 1 prompt x 2 samples x 4 new tokens, LoRA, one step."""
+    for package in ("peft", "vaderSentiment"):
+        pytest.importorskip(package)
+    monkeypatch.chdir(tmp_path)
+    start = time.perf_counter()
+    cli = fit_one_tiny_step(
+        "smollm2_grpo.yaml",
+        smollm2_folder,
+        f"--data.prompts={os.path.join(ROOT, 'configs', 'prompts', 'smollm2_topics.jsonl')}",
+        "--data.batch_size=1",
     )
     seconds = time.perf_counter() - start
     module = cli.model
@@ -148,3 +158,30 @@ def test_one_grpo_step_on_smollm2_from_the_config(smollm2_folder, tmp_path, monk
     assert metrics["policy/kl_loss"] == 0.0  # the first step: the adapters are still the identity
     assert -1.0 <= metrics["rollout/score_mean"] <= 1.0
     print(f"one SmolLM2 GRPO step from the config (load included): {seconds:.1f} s; metrics {metrics}")
+
+
+def test_one_step_of_the_recipe_with_its_dynamic_sampling(smollm2_folder, tmp_path, monkeypatch):
+    """configs/smollm2_recipe.yaml (a reasoning-gym task, exact-marks reward, DAPO dynamic sampling) with tiny
+    settings: 2 prompts x 2 samples x 4 new tokens, one step. The rounds obey dynamic sampling's rules."""
+    for package in ("peft", "reasoning_gym"):
+        pytest.importorskip(package)
+    monkeypatch.chdir(tmp_path)
+    cli = fit_one_tiny_step(
+        "smollm2_recipe.yaml",
+        smollm2_folder,
+        "--data.batch_size=2",
+        "--data.val_size=4",
+        "--trainer.max_time=null",
+        "--trainer.callbacks=null",
+        "--trainer.enable_checkpointing=false",
+    )
+    module = cli.model
+    assert module.algorithm.dynamic_sampling and module.algorithm.max_sampling_rounds == 3
+    assert cli.trainer.global_step == 1
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    rounds, dropped, kept = (metrics[f"rollout/{k}"] for k in ("sampling_rounds", "dropped_groups", "kept_fraction"))
+    assert rounds in (1.0, 2.0, 3.0)
+    assert dropped >= rounds - 1  # a round is added only after a tied group was dropped
+    if rounds < 3:  # it stops early only when every one of the 2 groups differs
+        assert kept == 1.0
+    assert kept in (0.0, 0.5, 1.0)
