@@ -159,9 +159,11 @@ def main() -> None:
         record["validate"] = validate(trainer, module)
     with open(os.path.join(args.out, f"{tag}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
-    # leave the gloo group before the interpreter exits: once, without this, rank 0 aborted at exit ("terminate
-    # called without an active exception", status -6) after a run that had finished and written its record
+    # leave the gloo group before the interpreter exits, both ranks together: without the destroy rank 0 once
+    # aborted at exit ("terminate called without an active exception", status -6) after a finished run, and
+    # without the barrier rank 1 once did (CI, 2026-12-07)
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
