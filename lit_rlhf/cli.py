@@ -355,13 +355,28 @@ def reward_script() -> None:
 
 
 def leave_process_group() -> None:
-    """Destroy the torch.distributed group a finished multi-process run joined, before the interpreter exits.
+    """Leave the torch.distributed group of a finished multi-process run, all ranks together, before the
+    interpreter exits.
 
-    Lightning does this at exit for NCCL only. A gloo group left to the interpreter's teardown once aborted a
-    finished run ("terminate called without an active exception", status -6 instead of 0).
+    Lightning destroys the group at exit for NCCL only. A gloo group left to the interpreter's teardown once
+    aborted a finished run ("terminate called without an active exception", status -6 instead of 0), and so did
+    a rank that destroyed its group while a peer was still in a collective: the ranks first meet at a barrier
+    (on gloo a monitored one, which names the ranks missing after the group's timeout and fails at once when a
+    peer has exited). A rank whose peer failed raises, so the run exits non-zero, and leaves the group as it is
+    (destroying it could wait on the missing peer).
     """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    try:
+        if torch.distributed.get_backend() == "gloo":
+            torch.distributed.monitored_barrier(wait_all_ranks=True)
+        else:
+            torch.distributed.barrier()
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"this rank finished, but another process of the run did not reach the end ({error}): see its log"
+        ) from error
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

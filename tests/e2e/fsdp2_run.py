@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 from lit_rlhf import AlgorithmConfig, AtomicCheckpointIO, RLHFModule, RolloutDataModule, SamplingConfig, SavePolicy  # noqa: E402
+from lit_rlhf.cli import leave_process_group  # noqa: E402
 from lit_rlhf.config import ConfigError  # noqa: E402
 from lit_rlhf.training import rank0_weights  # noqa: E402
 
@@ -159,12 +160,7 @@ def main() -> None:
         record["validate"] = validate(trainer, module)
     with open(os.path.join(args.out, f"{tag}_rank{trainer.global_rank}.json"), "w") as f:
         json.dump(record, f)
-    # leave the gloo group before the interpreter exits, both ranks together: without the destroy rank 0 once
-    # aborted at exit ("terminate called without an active exception", status -6) after a finished run, and
-    # without the barrier rank 1 once did (CI, 2026-12-07)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    leave_process_group()  # as train.py does: both ranks together, before the interpreter exits
 
 
 if __name__ == "__main__":
