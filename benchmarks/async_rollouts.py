@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -35,6 +36,7 @@ def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[fl
     import lightning as L
 
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
+    from lit_rlhf.config import VLLMConfig
 
     class Times(L.Callback):
         def __init__(self) -> None:
@@ -44,7 +46,10 @@ def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[fl
         def on_train_batch_start(self, *args: object) -> None:
             self.start = time.perf_counter()
 
-        def on_train_batch_end(self, trainer: L.Trainer, module: RLHFModule, *args: object) -> None:
+        def on_train_batch_end(
+            self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            assert isinstance(module, RLHFModule)
             self.seconds.append(time.perf_counter() - self.start)
             self.phases.append({name: module.step_metrics[name] for name in PHASES})
 
@@ -56,7 +61,7 @@ def run(k: int, seed: int, rollouts: int, url: str, model: str) -> tuple[list[fl
         reward_weights=[1.0, 0.1],
         metric_fns=[exact],
         algorithm=AlgorithmConfig(name="grpo", group_size=8, kl_coef=0.04, max_staleness=k),
-        sampling=SamplingConfig(max_new_tokens=24, backend="vllm", vllm={"mode": "server", "server_url": url}),
+        sampling=SamplingConfig(max_new_tokens=24, backend="vllm", vllm=VLLMConfig(mode="server", server_url=url)),
         lr=5e-4,
         lora={"r": 8, "alpha": 16, "target_modules": "all-linear"},
         log_samples_every_n_steps=0,

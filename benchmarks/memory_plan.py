@@ -81,13 +81,16 @@ def fit_tiny_layer(steps: int, **trainer_args: Any) -> Any:
             self.layer = torch.nn.Linear(8, 8)
 
         def training_step(self, batch: Any, batch_idx: int) -> None:
-            self.manual_backward(self.layer(batch).log_softmax(-1).sum())
-            self.optimizers().step()
+            (inputs,) = batch
+            self.manual_backward(self.layer(inputs).log_softmax(-1).sum())
+            optimizer = self.optimizers()
+            assert not isinstance(optimizer, list)
+            optimizer.step()
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters())
 
-    data = torch.utils.data.DataLoader(torch.randn(4 * steps, 8), batch_size=4)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4 * steps, 8)), batch_size=4)
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, **trainer_args)
     trainer.fit(Tiny(), data)
     return trainer

@@ -18,11 +18,12 @@ import resource
 import subprocess
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "full": dict(lora=None, gradient_checkpointing=False),
     "full+gc": dict(lora=None, gradient_checkpointing=True),
     "lora": dict(lora={"r": 8, "alpha": 16}, gradient_checkpointing=False),

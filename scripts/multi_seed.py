@@ -19,6 +19,7 @@ The PNG (drawn with Pillow, which transformers already installs) has one panel p
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -77,7 +78,8 @@ def column(rows: list[dict[str, str]], key: str) -> list[float]:
 def run_seeds(args: argparse.Namespace) -> None:
     """Train every seed, at most `--jobs` at once; each run's wall seconds go to seed<N>/wall_s.txt."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    pending, running = list(args.seeds), {}
+    pending = list(args.seeds)
+    running: dict[int, tuple[subprocess.Popen, io.TextIOWrapper, float]] = {}
     while pending or running:
         while pending and len(running) < args.jobs:
             seed = pending.pop(0)

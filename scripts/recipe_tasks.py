@@ -20,6 +20,7 @@ each seed's final weights (the same two problems). A JSON summary goes to `--out
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -57,7 +58,7 @@ def override(settings: dict[str, Any], assignment: str) -> None:
     a key new to it is added, and `train.py` rejects a misspelled one before training."""
     key, sep, value = assignment.partition("=")
     *parents, leaf = key.split(".")
-    node = settings
+    node: Any = settings
     for name in parents:
         node = node.get(name) if isinstance(node, dict) else None
         if not isinstance(node, dict):
@@ -119,7 +120,8 @@ def run_jobs(args: argparse.Namespace) -> None:
     """Each job's commands in order, `--jobs` jobs at once; a failed command stops every other run."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     env["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
-    pending, running = jobs(args), {}
+    pending = jobs(args)
+    running: dict[str, tuple[subprocess.Popen, io.TextIOWrapper, list[list[str]], float]] = {}
     while pending or running:
         while pending and len(running) < args.jobs:
             out, commands = pending.pop(0)

@@ -22,20 +22,24 @@ problems, `exact_answer`. Training runs go `--jobs` at a time with OMP_NUM_THREA
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "smollm2-135m")
 TRAIN = os.path.join(ROOT, "configs", "prompts", "smollm2_arithmetic_train.jsonl")
 HELD_OUT = os.path.join(ROOT, "configs", "prompts", "smollm2_arithmetic_val.jsonl")
-SHARED = dict(group_size=8, prompts_per_step=4, max_new_tokens=24, lr=5e-4, kl_coef=0.04, max_grad_norm=1.0)
-LORA = dict(r=8, alpha=16, dropout=0.0, target_modules="all-linear")
+SHARED: dict[str, Any] = dict(
+    group_size=8, prompts_per_step=4, max_new_tokens=24, lr=5e-4, kl_coef=0.04, max_grad_norm=1.0
+)
+LORA: dict[str, Any] = dict(r=8, alpha=16, dropout=0.0, target_modules="all-linear")
 IMPLEMENTATIONS = ("ours", "trl")
 
 
@@ -49,7 +53,8 @@ class Checkpoints:
     training wall-clock up to it, the time spent saving left out."""
 
     def __init__(self, out: str, every: int):
-        self.out, self.every, self.timeline, self.saving_s = out, every, [], 0.0
+        self.out, self.every, self.saving_s = out, every, 0.0
+        self.timeline: list[dict[str, float]] = []
         self.start = time.perf_counter()
 
     def after_step(self, step: int, model: Any) -> None:
@@ -161,9 +166,10 @@ def train_trl(out: str, seed: int, steps: int, every: int) -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    rewards: list[Callable[..., list[float]]] = [exact, formatted]
     trainer = GRPOTrainer(
         model=MODEL,
-        reward_funcs=[exact, formatted],
+        reward_funcs=rewards,
         args=config,
         train_dataset=dataset,
         peft_config=LoraConfig(
@@ -205,7 +211,8 @@ def evaluate(adapter: str | None) -> float:
 def run_all(commands: list[tuple[str, list[str]]], jobs: int) -> None:
     """(log path, command) pairs, `jobs` at a time; a failure stops the others and the script."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    pending, running = list(commands), []
+    pending = list(commands)
+    running: list[tuple[subprocess.Popen, io.TextIOWrapper, str]] = []
     while pending or running:
         while pending and len(running) < jobs:
             log_path, command = pending.pop(0)
