@@ -5,6 +5,7 @@ and one evaluator scores both on the same held-out problems.
 python scripts/trl_side_by_side.py --trl-python .venv-trl/bin/python --seeds 0 1 --steps 30 --every 5 \\
     --plot docs/img/trl_side_by_side.png
 python scripts/trl_side_by_side.py --report-only --seeds 0 1 --steps 30 --every 5 --plot docs/img/trl_side_by_side.png
+python scripts/trl_side_by_side.py --trl-python .venv-trl/bin/python --seeds 2 --steps 30 --every 5 --ours-extra-steps 5
 
 The TRL interpreter needs `pip install torch==2.13.0` (first), then `pip install -e . "trl==1.16.*" peft` from this
 repository (its reward functions are ours, imported). Shared by both: LoRA r 8 / alpha 16 / dropout 0 on every
@@ -17,6 +18,10 @@ Each run saves its adapters every `--every` optimizer steps with the training wa
 excluded) under `--out/<ours|trl>_seed<N>/step<K>`. Then each saved adapter (and the untrained model once) is
 scored by the same plain-transformers evaluator, outside both libraries: greedy, the chat template, 200 held-out
 problems, `exact_answer`. Training runs go `--jobs` at a time with OMP_NUM_THREADS=1 unless set.
+
+`--ours-extra-steps K`: ours goes on for K more steps (adapters after each), TRL stops at `--steps`, to see when
+ours reaches TRL's final accuracy on TRL's wall-clock. The first `--steps` are the same run either way (a constant
+learning rate, seeded: the adapters are bit-identical); the table keeps to the shared steps.
 """
 
 from __future__ import annotations
@@ -49,16 +54,16 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
 
 class Checkpoints:
-    """Adapters every `every` optimizer steps under `out`/step<K>, and `out`/timeline.json: per saved step the
-    training wall-clock up to it, the time spent saving left out."""
+    """Adapters every `every` optimizer steps (and after every step past `each_after`) under `out`/step<K>, and
+    `out`/timeline.json: per saved step the training wall-clock up to it, the time spent saving left out."""
 
-    def __init__(self, out: str, every: int):
-        self.out, self.every, self.saving_s = out, every, 0.0
+    def __init__(self, out: str, every: int, each_after: int | None = None):
+        self.out, self.every, self.each_after, self.saving_s = out, every, each_after, 0.0
         self.timeline: list[dict[str, float]] = []
         self.start = time.perf_counter()
 
     def after_step(self, step: int, model: Any) -> None:
-        if step % self.every:
+        if step % self.every and (self.each_after is None or step <= self.each_after):
             return
         begin = time.perf_counter()
         self.timeline.append({"step": step, "train_s": begin - self.start - self.saving_s})
@@ -68,7 +73,7 @@ class Checkpoints:
         self.saving_s += time.perf_counter() - begin
 
 
-def train_ours(out: str, seed: int, steps: int, every: int) -> None:
+def train_ours(out: str, seed: int, steps: int, every: int, each_after: int | None = None) -> None:
     import lightning as L
 
     from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
@@ -90,7 +95,7 @@ def train_ours(out: str, seed: int, steps: int, every: int) -> None:
         log_samples_every_n_steps=0,
     )
     data = RolloutDataModule(prompts=TRAIN, batch_size=SHARED["prompts_per_step"], max_prompt_length=128, seed=seed)
-    checkpoints = Checkpoints(out, every)
+    checkpoints = Checkpoints(out, every, each_after)
 
     class SaveAdapters(L.Callback):
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -246,14 +251,18 @@ def train_and_evaluate(args: argparse.Namespace) -> None:
             os.makedirs(out, exist_ok=True)
             python = args.trl_python if implementation == "trl" else sys.executable
             worker = [python, me, "--worker", implementation, "--seed", str(seed), "--out", out]
-            training.append(
-                (os.path.join(out, "train.log"), [*worker, f"--steps={args.steps}", f"--every={args.every}"])
-            )
+            steps = [f"--steps={args.steps}", f"--every={args.every}"]
+            if implementation == "ours" and args.ours_extra_steps:
+                steps = [f"--steps={args.steps + args.ours_extra_steps}", f"--every={args.every}"]
+                steps.append(f"--each-after={args.steps}")
+            training.append((os.path.join(out, "train.log"), [*worker, *steps]))
     run_all(training, args.jobs)
     evaluations = [(os.path.join(args.out, "base.log"), [sys.executable, me, "--worker", "eval", "--out", args.out])]
     for seed in args.seeds:
         for implementation in IMPLEMENTATIONS:
-            for step in range(args.every, args.steps + 1, args.every):
+            extra = args.ours_extra_steps if implementation == "ours" else 0
+            saved = [*range(args.every, args.steps + 1, args.every), *range(args.steps + 1, args.steps + extra + 1)]
+            for step in saved:
                 folder = os.path.join(run_folder(args, implementation, seed), f"step{step}")
                 evaluations.append((folder + ".log", [sys.executable, me, "--worker", "eval", "--out", folder]))
     run_all([job for job in evaluations if not os.path.exists(job[1][-1] + "/accuracy.json")], args.jobs)
@@ -279,15 +288,22 @@ def curves(args: argparse.Namespace) -> dict[tuple[str, int], list[dict[str, flo
 
 def report(args: argparse.Namespace) -> None:
     runs = curves(args)
-    steps = [point["step"] for point in next(iter(runs.values()))]
+    shared = {key: [point for point in points if point["step"] <= args.steps] for key, points in runs.items()}
+    steps = [point["step"] for point in next(iter(shared.values()))]
     print("held-out exact accuracy (200 problems, greedy) after optimizer step:")
     print("run          " + " ".join(f"{step:>6d}" for step in steps) + "   train s (s/step)")
-    for (implementation, seed), points in runs.items():
+    for (implementation, seed), points in shared.items():
         total = points[-1]["train_s"]
         values = " ".join(f"{point['accuracy']:6.3f}" for point in points)
         print(f"{implementation:4s} seed {seed}  {values}   {total:7.0f} ({total / points[-1]['step']:.1f})")
     for seed in args.seeds:
         ours, trl = runs["ours", seed], runs["trl", seed]
+        past = [point for point in ours if point["step"] > args.steps]
+        if past:
+            values = ", ".join(
+                f"{p['step']}: {p['accuracy']:.3f} ({p['train_s'] / trl[-1]['train_s']:.2f}x)" for p in past
+            )
+            print(f"seed {seed}: ours past step {args.steps} (step: accuracy (x TRL's wall-clock)): {values}")
         target = trl[-1]["accuracy"]
         reached = next((point for point in ours if point["accuracy"] >= target), None)
         when = (
@@ -335,6 +351,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--every", type=int, default=5, help="optimizer steps between saved adapters")
+    parser.add_argument(
+        "--ours-extra-steps", type=int, default=0, help="ours trains this many steps past --steps (TRL does not)"
+    )
+    parser.add_argument("--each-after", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "trl_side_by_side"))
     parser.add_argument("--plot", help="write the curves to this PNG")
@@ -349,7 +369,10 @@ def main() -> None:
             json.dump({"accuracy": accuracy}, handle)
         return
     if args.worker:
-        (train_ours if args.worker == "ours" else train_trl)(args.out, args.seed, args.steps, args.every)
+        if args.worker == "ours":
+            train_ours(args.out, args.seed, args.steps, args.every, args.each_after)
+        else:
+            train_trl(args.out, args.seed, args.steps, args.every)
         return
     if args.steps % args.every:
         raise SystemExit(f"--steps {args.steps} must be a multiple of --every {args.every}")
