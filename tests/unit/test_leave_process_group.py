@@ -3,6 +3,7 @@ the group is destroyed, and a rank whose peer never arrives exits non-zero inste
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,15 +47,18 @@ def run_two_ranks(folder, mode: str) -> list[subprocess.CompletedProcess]:
         for rank in (0, 1)
     ]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=240)
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:  # a rank left waiting (the barrier's bug) must not outlive the test
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     return results
 
 
 def test_no_rank_leaves_before_the_last_one_arrives(tmp_path):
-    import json
-
     results = run_two_ranks(tmp_path, "late")
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
     rank0, rank1 = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
