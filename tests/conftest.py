@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import pathlib
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -38,6 +39,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_ranks(
+    commands: list[list[str]], envs: list[dict[str, str]], cwd, timeout: int, hang: str
+) -> list[subprocess.CompletedProcess]:
+    """Start one process per rank (`commands[r]` with `envs[r]`, all at once), wait for them all and return each
+    one's exit code and stderr; `hang` is the failure message when one is still running after `timeout` seconds.
+    No rank outlives the call, whatever happens in it."""
+    procs = [
+        subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for command, env in zip(commands, envs, strict=True)
+    ]
+    try:
+        stderr = [proc.communicate(timeout=timeout)[1] for proc in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(hang)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, "", err) for proc, err in zip(procs, stderr)]
 
 
 @pytest.fixture

@@ -11,13 +11,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, run_ranks
 from lit_rlhf.tasks.digits import sort_digits_prompts
 
 pytestmark = pytest.mark.slow  # end-to-end: a real fit, several processes or a pretrained model
@@ -47,27 +46,15 @@ def ddp_records(tmp_path_factory):
         "--resume",
     ]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
-    procs = [
-        subprocess.Popen(
-            command,
-            env=dict(env, LOCAL_RANK=str(rank)),
-            cwd=out,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        stderr = [proc.communicate(timeout=240)[1] for proc in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("the DDP run did not finish in time (a hung collective?)")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    ranks = run_ranks(
+        [command, command],
+        [dict(env, LOCAL_RANK=str(rank)) for rank in (0, 1)],
+        out,
+        240,
+        "the DDP run did not finish in time (a hung collective?)",
+    )
     errors = {p.name: p.read_text() for p in out.glob("error_rank*.txt")}
-    assert [proc.returncode for proc in procs] == [0, 0] and not errors, f"{errors}\n{stderr[0][-3000:]}"
+    assert [rank.returncode for rank in ranks] == [0, 0] and not errors, f"{errors}\n{ranks[0].stderr[-3000:]}"
     records = {}
     for name, run, rank in itertools.product(ALGORITHMS, ("full", "resumed"), (0, 1)):
         records[name, run, rank] = json.loads((out / f"{name}_{run}_rank{rank}.json").read_text())

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, run_ranks
 
 pytestmark = pytest.mark.slow  # end-to-end: two processes
 
@@ -69,26 +68,15 @@ def test_ranks_refill_independently_without_a_collective_and_stay_in_sync(tmp_pa
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
     env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "run.py", str(max_staleness)],
-            env=dict(env, LOCAL_RANK=str(rank)),
-            cwd=tmp_path,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        stderr = [proc.communicate(timeout=240)[1] for proc in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail("the DDP run did not finish in time (a collective waiting on a rank still sampling?)")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    assert [proc.returncode for proc in procs] == [0, 0], stderr[0][-3000:] + stderr[1][-3000:]
+    command = [sys.executable, "run.py", str(max_staleness)]
+    processes = run_ranks(
+        [command, command],
+        [dict(env, LOCAL_RANK=str(rank)) for rank in (0, 1)],
+        tmp_path,
+        240,
+        "the DDP run did not finish in time (a collective waiting on a rank still sampling?)",
+    )
+    assert [p.returncode for p in processes] == [0, 0], processes[0].stderr[-3000:] + processes[1].stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [len(rows) for rows in ranks] == [ROLLOUTS, ROLLOUTS]
     assert all(row["size"] == B0 * G for rows in ranks for row in rows)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 import lit_rlhf
-from conftest import free_port
+from conftest import free_port, run_ranks
 from lit_rlhf.registry import get_task
 
 pytestmark = pytest.mark.slow  # end-to-end: several processes
@@ -44,26 +43,14 @@ def launch(strategy: str, out: Path, *options: str, timeout: int = 300) -> tuple
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SOURCE), os.environ.get("PYTHONPATH")) if p)
     command = [sys.executable, str(SCRIPT), "--strategy", strategy, "--out", str(out), *options]
-    procs = [
-        subprocess.Popen(
-            command,
-            env=dict(env, LOCAL_RANK=str(r)),
-            cwd=out,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        stderr = [proc.communicate(timeout=timeout)[1] for proc in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the {strategy} run did not finish in time (a hung collective?)")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return [p.returncode for p in procs], stderr
+    ranks = run_ranks(
+        [command, command],
+        [dict(env, LOCAL_RANK=str(r)) for r in (0, 1)],
+        out,
+        timeout,
+        f"the {strategy} run did not finish in time (a hung collective?)",
+    )
+    return [rank.returncode for rank in ranks], [rank.stderr for rank in ranks]
 
 
 def run(strategy: str, out: Path, *options: str) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import free_port
+from conftest import free_port, run_ranks
 
 WORKER = textwrap.dedent(
     """
@@ -35,27 +35,13 @@ WORKER = textwrap.dedent(
 def run_two_ranks(folder, mode: str) -> list[subprocess.CompletedProcess]:
     (folder / "worker.py").write_text(WORKER)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "worker.py", str(rank), mode],
-            cwd=folder,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=240)
-            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:  # a rank left waiting (the barrier's bug) must not outlive the test
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return results
+    return run_ranks(
+        [[sys.executable, "worker.py", str(rank), mode] for rank in (0, 1)],
+        [env, env],
+        folder,
+        240,
+        "a rank did not leave the group in time (a barrier waiting forever?)",
+    )
 
 
 def test_no_rank_leaves_before_the_last_one_arrives(tmp_path):
