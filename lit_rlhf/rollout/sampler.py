@@ -12,6 +12,13 @@ With `group_size` G > 1 it prefills each distinct prompt once and repeats the KV
 (`repeat_interleave`, the order of `prompt.repeat_interleave(G)`), instead of prefilling G copies of every
 prompt: the prefill, most of a step's compute for long prompts and short responses, costs 1/G.
 
+Decode steps run only over the rows that have not emitted EOS, once enough have: when, at a stop check (every step
+on the CPU), the running rows are at most `COMPACT_BELOW` of the rows the KV cache holds, the cache, attention-mask
+and position rows of the finished ones are dropped (`Cache.reorder_cache`). The dropped rows get zero logits, whose
+draws the loop replaces by pad; `torch.multinomial` draws each row from random numbers that do not depend on the
+other rows' probabilities, so the running rows draw the same tokens as over all rows. A cache without
+`reorder_cache` (not a transformers `Cache`) keeps every row.
+
 The loop skips `generate`'s per-step machinery (logits-processor and stopping-criteria lists,
 `prepare_inputs_for_generation`, growing `input_ids` with `torch.cat`), which is most of the cost of a
 small model's decode step.
@@ -57,7 +64,7 @@ class SampleOutput:
     """Raw output of `sample`; T <= max_new_tokens is the number of decode steps that ran."""
 
     response_ids: Tensor  # (B, T) long, pad after the first EOS
-    # (B, T) float32: log softmax(logits / temperature)[token], no top-k/top-p; None unless asked
+    # (B, T) float32: log softmax(logits / temperature)[token], no top-k/top-p, 0 after the row's EOS; None unless asked
     logprobs: Tensor | None
 
 
@@ -94,24 +101,49 @@ class DecodeGrid:
         return cls(full_mask, positions, next_position, step_positions)
 
 
+COMPACT_BELOW = 0.75
+"""Drop finished rows from the KV cache once the running ones are at most this share of the rows it holds: a copy
+costs about what one step's attention reads, so the copies together write at most 3 caches' worth, while a step after
+a stop check runs at most 4/3 of the rows it needs."""
+
+
 class DynamicCacheSteps:
-    """Decode steps through the model's growing KV cache (the prefill's, rows repeated G times)."""
+    """Decode steps through the model's growing KV cache (the prefill's, rows repeated G times), over the rows still
+    running once enough have finished (`COMPACT_BELOW`)."""
 
     def __init__(self, model: nn.Module, cache: Any, grid: DecodeGrid, prompt_width: int) -> None:
-        self.model, self.cache, self.grid, self.P = model, cache, grid, prompt_width
+        self.model, self.cache, self.P = model, cache, prompt_width
         self.cache_key = cache_keyword(model)
+        self.batch = grid.full_mask.shape[0]
+        self.rows = torch.arange(self.batch, device=grid.full_mask.device)  # (R,): the batch rows the cache holds
+        self.mask, self.positions = grid.full_mask, grid.step_positions  # the grid's R rows
+        self.compactable = callable(getattr(cache, "reorder_cache", None))
 
     def step(self, next_tokens: Tensor, t: int) -> Tensor:
-        """The tokens drawn at step t, (B,) -> the logits for step t + 1, (B, V)."""
+        """The tokens drawn at step t, (B,) -> the logits for step t + 1, (B, V), zeros in the rows dropped."""
         out = self.model(
-            input_ids=next_tokens[:, None],
-            attention_mask=self.grid.full_mask[:, : self.P + t + 1],
-            position_ids=self.grid.step_positions[:, t : t + 1],
+            input_ids=next_tokens[self.rows, None],
+            attention_mask=self.mask[:, : self.P + t + 1],
+            position_ids=self.positions[:, t : t + 1],
             use_cache=True,
             **{self.cache_key: self.cache},
         )
         self.cache = returned_cache(out)
-        return out.logits[:, -1]
+        logits = out.logits[:, -1]  # (R, V)
+        if logits.shape[0] == self.batch:
+            return logits
+        return logits.new_zeros(self.batch, logits.shape[-1]).index_copy_(0, self.rows, logits)
+
+    def drop_finished(self, running: Tensor) -> None:
+        """running: (B,) bool, the rows that have not ended. Keep only those in the cache when they are at most
+        `COMPACT_BELOW` of its rows (a host synchronisation on an accelerator); a cache without `reorder_cache`
+        keeps every row."""
+        keep = running[self.rows]  # (R,)
+        if not self.compactable or int(keep.sum()) > COMPACT_BELOW * keep.shape[0]:
+            return
+        index = keep.nonzero().squeeze(1)
+        self.cache.reorder_cache(index)
+        self.rows, self.mask, self.positions = self.rows[index], self.mask[index], self.positions[index]
 
 
 def prefill(
@@ -176,6 +208,7 @@ def sample(
     group_size: int = 1,
     static_cache: bool = False,
     compile: bool = False,
+    skip_finished: bool = True,
 ) -> SampleOutput:
     """Sample up to `max_new_tokens` tokens after each left-padded prompt (`do_sample` False: greedy, the
     most likely token at every step, as `generate(do_sample=False)`; top-k/top-p do not change the argmax).
@@ -187,6 +220,7 @@ def sample(
     accelerator (None: 1 on CPU, 8 elsewhere). The output does not depend on it.
     `static_cache`: decode over a transformers `StaticCache` of fixed shapes (`lit_rlhf.rollout.static_decode`);
     `compile`: that, with the decode step `torch.compile`d (`sampling.backend: compiled`). The same draws.
+    `skip_finished`: decode only the rows not yet ended (dynamic cache; `COMPACT_BELOW`). The same draws.
     """
     if group_size < 1:
         raise ValueError(f"sample: group_size must be >= 1, got {group_size}")
@@ -196,29 +230,33 @@ def sample(
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
     alive_before = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)  # some sequence unfinished at step t
-    pad = torch.tensor(pad_token_id, dtype=torch.long, device=device)
     # On an accelerator, asking "all finished?" synchronises with the host; do it every few steps there.
     check_every = stop_check_every or (1 if device.type == "cpu" else 8)
     last_logits, steps = prefill(model, input_ids, attention_mask, grid, group_size, static_cache, compile)
     ran = 0
     for t in range(max_new_tokens):
-        logits = last_logits.float()  # (B, V)
-        if temperature != 1.0:
-            logits = logits / temperature
-        next_tokens = torch.where(unfinished, draw(logits, do_sample, top_k, top_p, generator), pad)  # (B,)
+        logits = last_logits.float() if temperature == 1.0 else last_logits.float() / temperature  # (B, V)
+        next_tokens = torch.where(unfinished, draw(logits, do_sample, top_k, top_p, generator), pad_token_id)  # (B,)
         tokens[:, t] = next_tokens
         if logprobs is not None:
-            picked = logits.gather(-1, next_tokens[:, None]).squeeze(-1)
-            logprobs[:, t] = picked - torch.logsumexp(logits, dim=-1)
+            logprobs[:, t] = _token_logprobs(logits, next_tokens, unfinished)
         alive_before[t] = unfinished.any()
         unfinished = unfinished & (next_tokens != eos_token_id)
         ran = t + 1
         if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and not bool(unfinished.any())):
             break
+        if skip_finished and (t + 1) % check_every == 0 and isinstance(steps, DynamicCacheSteps):
+            steps.drop_finished(unfinished)
         last_logits = steps.step(next_tokens, t)
     del last_logits, steps
     ran = _steps_with_a_live_sequence(alive_before[:ran]) if check_every > 1 else ran
     return SampleOutput(tokens[:, :ran], logprobs[:, :ran] if logprobs is not None else None)
+
+
+def _token_logprobs(logits: Tensor, tokens: Tensor, running: Tensor) -> Tensor:
+    """log softmax(logits)[tokens] in the running rows, 0 in the others: (B, V), (B,), (B,) bool -> (B,)."""
+    picked = logits.gather(-1, tokens[:, None]).squeeze(-1)
+    return torch.where(running, picked - torch.logsumexp(logits, dim=-1), 0.0)
 
 
 def _steps_with_a_live_sequence(alive_before: Tensor) -> int:
