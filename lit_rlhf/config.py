@@ -197,6 +197,10 @@ class AlgorithmConfig:
     share_prompt_forward: bool = True
     """Run each distinct prompt of a forward batch once and its responses over the shared KV cache (the policy's,
     critic's and reference's forwards; same logits and gradients up to float rounding; docs/performance.md)."""
+    length_groups: int = 4
+    """The most groups of rows of similar response length a forward runs apart, each cut to its longest response
+    (same logits on every response token up to float rounding, less compute on padding; docs/performance.md).
+    1: one forward over the padded batch. Under FSDP2 the forwards keep one group."""
     clip_eps_low: float = 0.2
     """Lower ratio clip: the ratio is clipped at 1 - clip_eps_low (1 or more: no lower clip)."""
     clip_eps_high: float | None = None
@@ -294,6 +298,7 @@ class AlgorithmConfig:
     def _check_dynamic_sampling(self) -> None:
         check_bool(self.dynamic_sampling, "algorithm.dynamic_sampling")
         check_bool(self.share_prompt_forward, "algorithm.share_prompt_forward")
+        check_int(self.length_groups, "algorithm.length_groups", 1, fix="4 is the default; 1: one padded forward")
         check_int(self.max_sampling_rounds, "algorithm.max_sampling_rounds", 1, fix="3 is usual; 1: no refill")
         if not self.dynamic_sampling:
             return

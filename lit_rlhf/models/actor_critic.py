@@ -17,7 +17,8 @@ class ActorCritic(nn.Module):
 
     The value head shares the policy's backbone, or sits on a separate critic backbone when one is given.
     Without a value head, `forward` returns values None (GRPO). `share_prompts`: run each distinct prompt of a
-    batch once (`algorithm.share_prompt_forward`).
+    batch once (`algorithm.share_prompt_forward`); `length_groups`: run rows of similar response length apart, in
+    up to that many groups (`algorithm.length_groups`).
     """
 
     def __init__(
@@ -26,10 +27,12 @@ class ActorCritic(nn.Module):
         value_head: bool = True,
         critic_backbone: nn.Module | None = None,
         share_prompts: bool = False,
+        length_groups: int = 1,
     ):
         super().__init__()
         self.policy = policy
         self.share_prompts = share_prompts
+        self.length_groups = length_groups
         self.critic_backbone = critic_backbone
         self.value_head: nn.Linear | None = None
         if value_head or critic_backbone is not None:
@@ -43,13 +46,19 @@ class ActorCritic(nn.Module):
         """(B, P+T) -> logits (B, T, V), values (B, T) float32 or None."""
         shared = self.value_head is not None and self.critic_backbone is None
         logits, hidden = causal_lm_response_forward(
-            self.policy, input_ids, attention_mask, response_len, shared, self.share_prompts
+            self.policy, input_ids, attention_mask, response_len, shared, self.share_prompts, self.length_groups
         )
         values = None
         if self.value_head is not None:
             if self.critic_backbone is not None:
                 _, hidden = causal_lm_response_forward(
-                    self.critic_backbone, input_ids, attention_mask, response_len, True, self.share_prompts
+                    self.critic_backbone,
+                    input_ids,
+                    attention_mask,
+                    response_len,
+                    True,
+                    self.share_prompts,
+                    self.length_groups,
                 )
             if hidden is None:
                 raise RuntimeError("ActorCritic: the value head needs the last hidden state; the forward gave none")

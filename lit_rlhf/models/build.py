@@ -125,7 +125,7 @@ def build_models(
     if lora is not None:
         policy = apply_lora(policy, lora)
     critic_backbone = copy.deepcopy(policy) if algo.uses_critic and separate_critic else None
-    actor_critic = ActorCritic(policy, algo.uses_critic, critic_backbone, algo.share_prompt_forward)
+    actor_critic = ActorCritic(policy, algo.uses_critic, critic_backbone, algo.share_prompt_forward, algo.length_groups)
     reference: nn.Module | None = None
     if algo.uses_reference:
         if specs.reference is None and adapters:

@@ -49,7 +49,8 @@ SEED_STRIDE = 1_000_003
 @dataclass(frozen=True)
 class AsyncSettings:
     """How far ahead to sample, the random stream's base seed, dynamic sampling's (group size, rounds, pad id)
-    or None, and what the behaviour log-probs are computed with (temperature, shared prompt forward)."""
+    or None, and what the behaviour log-probs are computed with (temperature, shared prompt forward, length
+    groups)."""
 
     max_staleness: int
     seed: int
@@ -57,6 +58,7 @@ class AsyncSettings:
     dynamic: tuple[int, int, int] | None
     temperature: float
     share_prompts: bool
+    length_groups: int
 
 
 def trainable_weights(policy: nn.Module) -> dict[str, Tensor]:
@@ -78,11 +80,14 @@ def load_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
 
 
 @torch.no_grad()
-def behaviour_logprobs(model: nn.Module, rollout: Rollout, temperature: float, share_prompts: bool) -> Tensor:
+def behaviour_logprobs(
+    model: nn.Module, rollout: Rollout, temperature: float, share_prompts: bool, length_groups: int
+) -> Tensor:
     """The log-probs (B, T) of the sampled tokens under `model`, the copy that sampled them, computed as the
     trainer computes its own (0 after each response's end)."""
+    response_len = rollout.response_ids.shape[1]
     logits, _ = causal_lm_response_forward(
-        model, rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1], False, share_prompts
+        model, rollout.input_ids(), rollout.attention_mask(), response_len, False, share_prompts, length_groups
     )
     logprobs = logprobs_from_logits(logits, rollout.response_ids, temperature).float()
     return torch.where(rollout.response_mask, logprobs, torch.zeros_like(logprobs))
@@ -130,7 +135,7 @@ class AsyncRollouts:
                 rollout, timings = dynamic_rollout(collect, job.prompts, refill, group_size, rounds, pad)
             if rollout.sampler_logprobs is None:  # an in-process sampler: its copy's forward is the behaviour policy
                 rollout.sampler_logprobs = behaviour_logprobs(
-                    self.sampler, rollout, settings.temperature, settings.share_prompts
+                    self.sampler, rollout, settings.temperature, settings.share_prompts, settings.length_groups
                 )
             if rollout.response_ids.is_cuda:
                 torch.cuda.current_stream(rollout.response_ids.device).synchronize()

@@ -237,8 +237,8 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """
         rollout, scored = split_pending(rollout)  # a pending rollout's scores are joined after the forwards
         temperature = self.sampling.temperature
-        share = self.algorithm.share_prompt_forward
-        ref_logits = reference_logits(self.reference, rollout, share) if self.reference is not None else None
+        share, groups = self.algorithm.share_prompt_forward, self.actor_critic.length_groups
+        ref_logits = reference_logits(self.reference, rollout, share, groups) if self.reference is not None else None
         reshard_frozen(self.reference)  # FSDP2
         first_forward = None
         if self.algorithm.policy_forward_in_rollout(rollout.batch_size):
@@ -290,6 +290,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         current = forward if forward is not None else policy_forward(self.actor_critic, mb, self.sampling.temperature)
         ref_logits = None
         if self.algorithm.full_kl_in_loss and self.reference is not None:
-            ref_logits = reference_logits(self.reference, mb, self.algorithm.share_prompt_forward)
+            share, groups = self.algorithm.share_prompt_forward, self.actor_critic.length_groups
+            ref_logits = reference_logits(self.reference, mb, share, groups)
             reshard_frozen(self.reference)  # FSDP2
         return ppo_objective(current, mb, self.algorithm, totals, self.sampling.temperature, ref_logits)

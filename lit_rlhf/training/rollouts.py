@@ -153,6 +153,7 @@ class Rollouts(L.LightningModule):
                 dynamic,
                 self.rollout_settings.sampling.temperature,
                 algo.share_prompt_forward,
+                self.actor_critic.length_groups,
             )
             supply = self.refill_supply() if algo.dynamic_sampling else self.prompt_supply
             assert supply is not None  # check_async_fit

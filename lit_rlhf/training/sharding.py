@@ -89,9 +89,12 @@ def shard_module_models(module: Any, shard_frozen: bool) -> None:
     unit, and the frozen reference and reward model when `shard_frozen` (else each rank keeps a full copy). The
     actor-critic itself is not a unit: sampling runs the policy alone, and FSDP2 wants a unit's first forward to
     come through its root. A LoRA policy (a peft model) is sharded the same way: each block's unit holds its frozen
-    weights and its adapters, and the adapter-disabled reference runs the sharded policy."""
+    weights and its adapters, and the adapter-disabled reference runs the sharded policy. The forwards then run
+    one group of rows (`algorithm.length_groups` becomes 1): every rank must call a sharded model as many times,
+    and the groups of each rank's response lengths differ."""
     mesh = module.device_mesh["data_parallel"] if "data_parallel" in module.device_mesh.mesh_dim_names else None
     actor_critic = module.actor_critic
+    actor_critic.length_groups = 1
     shard_model(actor_critic.policy, mesh)  # a root of its own: sampling calls the policy, not the actor-critic
     if actor_critic.critic_backbone is not None:
         shard_model(actor_critic.critic_backbone, mesh)

@@ -150,6 +150,7 @@ def main() -> None:
     record: dict = {
         "seconds": seconds,
         "global_step": trainer.global_step,
+        "length_groups": module.actor_critic.length_groups,
         "loads": loads,
         "optimized": {"tensors": len(optimized), "dtensors": sum(hasattr(p, "full_tensor") for p in optimized)},
     }

@@ -41,11 +41,12 @@ def grouped_batch(seed: int = 1):
 
 
 def row_by_row_loss(model, ids, mask, weights):
-    """The slow obvious reference: every row alone, its padding removed, its response tokens' logits weighted."""
+    """The slow obvious reference: every row alone, its padding removed, its response tokens' logits weighted by
+    `weights` (B, T, V) (T: the response grid's width)."""
     total = 0.0
     for i in range(ids.shape[0]):
         tokens = ids[i][mask[i].bool()][None]
-        valid = int(mask[i, -T:].sum())
+        valid = int(mask[i, -weights.shape[1] :].sum())
         logits = model(input_ids=tokens).logits[0]  # (n, V)
         n = tokens.shape[1]
         total = total + (logits[n - valid - 1 : n - 1] * weights[i, :valid]).sum()
@@ -109,18 +110,26 @@ def test_llama_in_float32_agrees_up_to_rounding_and_values_come_along():
     shared = ActorCritic(critic.policy, value_head=True, share_prompts=True)
     shared.value_head = critic.value_head
     ids, mask = grouped_batch()
-    outs = []
-    for model in (critic, shared):
-        model.zero_grad(set_to_none=True)
-        logits, values = model(ids, mask, T)
-        ((logits.float().logsumexp(-1) + values) * mask[:, -T:]).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        outs.append((logits.detach(), values.detach(), grads))
-    valid = mask[:, -T:].bool()
-    torch.testing.assert_close(outs[1][0][valid], outs[0][0][valid], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outs[1][1][valid], outs[0][1][valid], rtol=1e-5, atol=1e-5)
-    for name, grad in outs[0][2].items():
-        torch.testing.assert_close(outs[1][2][name], grad, rtol=1e-4, atol=1e-5)
+    assert_same_outputs(critic_outputs(shared, ids, mask, T), critic_outputs(critic, ids, mask, T), mask[:, -T:])
+
+
+def critic_outputs(model, ids, mask, response_len):
+    """An actor-critic's logits (B, T, V), values (B, T) and the parameter gradients of the sum over the response
+    tokens of logsumexp(logits) + value."""
+    model.zero_grad(set_to_none=True)
+    logits, values = model(ids, mask, response_len)
+    ((logits.float().logsumexp(-1) + values) * mask[:, -response_len:]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), values.detach(), grads
+
+
+def assert_same_outputs(got, expected, response_mask):
+    """`critic_outputs` equal up to float32 rounding on the response tokens (response_mask (B, T))."""
+    valid = response_mask.bool()
+    torch.testing.assert_close(got[0][valid], expected[0][valid], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1][valid], expected[1][valid], rtol=1e-5, atol=1e-5)
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-5)
 
 
 def test_a_one_token_response_uses_the_prompt_forward_alone():
