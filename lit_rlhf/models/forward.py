@@ -117,10 +117,10 @@ def scattered(
 ) -> tuple[Tensor, Tensor | None]:
     """The groups' (logits, hidden) back on the batch's (B, T) grid, zeros after each group's width."""
     logits = grouping.scatter_rows([part[0] for part in parts], groups, batch, response_len)
-    hiddens = [part[1] for part in parts]
-    if any(hidden is None for hidden in hiddens):
+    hiddens = [hidden for _, hidden in parts if hidden is not None]
+    if len(hiddens) < len(parts):
         return logits, None
-    return logits, grouping.scatter_rows(hiddens, groups, batch, response_len)  # type: ignore[arg-type]
+    return logits, grouping.scatter_rows(hiddens, groups, batch, response_len)
 
 
 def plain_response_forward(

@@ -59,14 +59,21 @@ def length_groups(widths: Tensor, max_groups: int, group_cost: int = GROUP_COST_
 
 
 def can_copy_rows(cache: Any) -> bool:
-    """Whether `cache` is a transformers `Cache` made of layers (transformers >= 4.56) that `cache_rows` can copy."""
-    return isinstance(getattr(cache, "layers", None), list) and callable(getattr(cache, "reorder_cache", None))
+    """Whether `cache` is a transformers `Cache` whose layers are all plain or sliding-window dynamic layers
+    (transformers >= 4.56): those replace their tensors on every change rather than writing into them, so
+    `cache_rows` can copy them shallowly."""
+    try:
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+    except ImportError:
+        return False
+    layers = getattr(cache, "layers", None)
+    copyable = (DynamicLayer, DynamicSlidingWindowLayer)
+    return isinstance(layers, list) and all(type(layer) in copyable for layer in layers)
 
 
 def cache_rows(cache: Any, rows: Tensor) -> Any:
     """A new transformers `Cache` holding rows `rows` of `cache` (an `index_select` per layer, keeping autograd);
-    `cache` is left as it was. Its layers replace their tensors on every change rather than writing into them, so
-    a shallow copy of each layer is enough."""
+    `cache` (`can_copy_rows`) is left as it was."""
     copied = copy.copy(cache)
     copied.layers = [copy.copy(layer) for layer in cache.layers]
     copied.reorder_cache(rows)

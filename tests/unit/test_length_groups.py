@@ -144,3 +144,21 @@ def test_llama_values_come_along_grouped_in_float32():
 def test_length_groups_must_be_a_positive_integer(value):
     with pytest.raises(ConfigError, match="algorithm.length_groups"):
         AlgorithmConfig(length_groups=value)
+
+
+def test_a_cache_that_cannot_be_copied_runs_its_responses_padded(monkeypatch):
+    import lit_rlhf.models.length_groups as grouping
+
+    model = gpt2()
+    ids, mask = varied_batch()
+    with torch.no_grad():
+        grouped = causal_lm_response_forward(model, ids, mask, T, share_prompts=True, length_groups=4)[0]
+    monkeypatch.setattr(grouping, "can_copy_rows", lambda cache: False)
+    shapes = []
+    hook = model.transformer.wte.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        padded = causal_lm_response_forward(model, ids, mask, T, share_prompts=True, length_groups=4)[0]
+    hook.remove()
+    assert shapes == [(B0, P), (B0 * G, T - 1)]
+    valid = mask[:, -T:].bool()
+    torch.testing.assert_close(padded[valid], grouped[valid], rtol=1e-12, atol=1e-12)
