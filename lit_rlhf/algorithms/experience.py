@@ -44,7 +44,7 @@ def reference_logits(
     reference: nn.Module, rollout: Rollout, share_prompts: bool = False, length_groups: int = 1
 ) -> Tensor:
     """The reference policy's logits on the response grid: (B, T, V) (`share_prompts`: each distinct prompt run
-    once; `length_groups`: rows of similar response length apart, 0 after each response)."""
+    once; `length_groups`: rows of similar response length apart, 0 after each group's longest response)."""
     response_len = rollout.response_ids.shape[1]
     logits, _ = causal_lm_response_forward(
         reference, rollout.input_ids(), rollout.attention_mask(), response_len, False, share_prompts, length_groups
