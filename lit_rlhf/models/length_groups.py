@@ -22,12 +22,16 @@ GROUP_COST_TOKENS = 32
 cost is about that of 25 tokens (0.07 s + 3.3 ms per token); a group must save more than this to be split off."""
 
 
+def columns_used(mask: Tensor) -> Tensor:
+    """One past each row's last set column, 0 for none: (B, T) -> (B,) long."""
+    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask.long() * columns).amax(1)
+
+
 def response_widths(attention_mask: Tensor, response_len: int) -> Tensor:
     """One past each row's last attended response column, at least 1: (B, P+T) -> (B,) long. Columns after it are
     padding: no logit there predicts a token any loss or metric reads."""
-    attended = attention_mask[:, attention_mask.shape[1] - response_len :].long()  # (B, T)
-    columns = torch.arange(1, response_len + 1, device=attention_mask.device)
-    return (attended * columns).amax(1).clamp(min=1)
+    return columns_used(attention_mask[:, attention_mask.shape[1] - response_len :]).clamp(min=1)
 
 
 def length_groups(widths: Tensor, max_groups: int, group_cost: int = GROUP_COST_TOKENS) -> list[tuple[Tensor, int]]:

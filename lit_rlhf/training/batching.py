@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
+from lit_rlhf.models.length_groups import columns_used
 from lit_rlhf.types import Experience, split_rows
 
 PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
@@ -24,9 +25,7 @@ PROMPT_FIELDS = ("prompt_ids", "prompt_mask")
 def row_lengths(prompt_mask: Tensor, response_mask: Tensor) -> tuple[Tensor, Tensor]:
     """Valid prompt tokens (B,) and response length (B,): the columns each row needs, from (B, P) and (B, T)."""
     prompt = prompt_mask.long().sum(1)  # left padded: the prompt occupies the last `prompt` columns
-    columns = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
-    response = (response_mask.long() * columns).amax(1)  # one past the last valid response column
-    return prompt, response
+    return prompt, columns_used(response_mask)  # one past the last valid response column
 
 
 def token_budget_rows(prompt_len: Tensor, response_len: Tensor, budget: int) -> list[Tensor]:

@@ -237,9 +237,7 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         """
         rollout, scored = split_pending(rollout)  # a pending rollout's scores are joined after the forwards
         temperature = self.sampling.temperature
-        share, groups = self.algorithm.share_prompt_forward, self.actor_critic.length_groups
-        ref_logits = reference_logits(self.reference, rollout, share, groups) if self.reference is not None else None
-        reshard_frozen(self.reference)  # FSDP2
+        ref_logits = self.reference_forward(rollout) if self.reference is not None else None
         first_forward = None
         if self.algorithm.policy_forward_in_rollout(rollout.batch_size):
             with torch.no_grad():
@@ -250,6 +248,13 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
             scored(), self.algorithm, sampling_policy, ref_logits, temperature, self.compute_advantages
         )
         return experience, first_forward
+
+    def reference_forward(self, mb: Rollout) -> Tensor:
+        """The reference's logits (B, T, V) on a rollout or micro-batch, forwarded as the actor-critic's are."""
+        assert self.reference is not None  # the callers check
+        logits = reference_logits(self.reference, mb, self.actor_critic.share_prompts, self.actor_critic.length_groups)
+        reshard_frozen(self.reference)  # FSDP2
+        return logits
 
     def on_experience(self, experience: Experience) -> None:
         """Hook called with every complete experience before the update (for callbacks and tests)."""
@@ -290,7 +295,5 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         current = forward if forward is not None else policy_forward(self.actor_critic, mb, self.sampling.temperature)
         ref_logits = None
         if self.algorithm.full_kl_in_loss and self.reference is not None:
-            share, groups = self.algorithm.share_prompt_forward, self.actor_critic.length_groups
-            ref_logits = reference_logits(self.reference, mb, share, groups)
-            reshard_frozen(self.reference)  # FSDP2
+            ref_logits = self.reference_forward(mb)
         return ppo_objective(current, mb, self.algorithm, totals, self.sampling.temperature, ref_logits)
