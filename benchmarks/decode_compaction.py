@@ -15,7 +15,6 @@ models/smollm2-135m (scripts/prepare_smollm2.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -26,9 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlhf.rollout import sampler
+from smollm2_lora import FOLDER, chat_prompts, lora_policy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = os.path.join(ROOT, "configs", "prompts", "smollm2_arithmetic_train.jsonl")
 GROUP, MAX_NEW_TOKENS, SEED = 8, 24, 0
 
 
@@ -93,21 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compact-below", type=float, nargs="+", default=[sampler.COMPACT_BELOW])
-    parser.add_argument("--model", default=os.path.join(ROOT, "models", "smollm2-135m"))
+    parser.add_argument("--model", default=FOLDER)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    import peft
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    policy, tokenizer = lora_policy(args.model)
+    model = policy.eval()
     tokenizer.padding_side = "left"
-    base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = peft.get_peft_model(base, lora).eval()
-    with open(PROMPTS) as f:
-        messages = [json.loads(line)["messages"] for line in f][:4]
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer(chat_prompts(tokenizer), return_tensors="pt", padding=True, add_special_tokens=False)
     batch = Batch(enc["input_ids"], enc["attention_mask"], tokenizer.eos_token_id, tokenizer.pad_token_id)
     _, never_ending = timed_sample(model, replace(batch, eos=-1), skip_finished=False)
     early = early_eos(never_ending, batch.pad)

@@ -15,15 +15,14 @@ cost does not depend on them), the rows shuffled. Prints the median seconds of e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPTS = os.path.join(ROOT, "configs", "prompts", "smollm2_arithmetic_train.jsonl")
+from smollm2_lora import FOLDER, chat_prompts, lora_policy
+
 MAX_NEW_TOKENS = 24
 PROFILES = {  # measured: step 1 mean 18.5, 8 of 32 at most 12 tokens; step 20 mean 11.2, 28 of 32; both longest 24
     "step 1": [24] * 17 + [19, 17, 15, 15, 14, 14, 13] + [12, 11, 10, 10, 9, 9, 8, 8],
@@ -32,17 +31,10 @@ PROFILES = {  # measured: step 1 mean 18.5, 8 of 32 at most 12 tokens; step 20 m
 
 
 def build(folder: str) -> tuple[torch.nn.Module, torch.nn.Module, list[list[int]]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from lit_rlhf.models.lora import AdapterDisabledReference
 
-    from lit_rlhf.models.lora import AdapterDisabledReference, apply_lora
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    policy = apply_lora(base, {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"})
-    with open(PROMPTS) as handle:
-        rows = [json.loads(line) for line, _ in zip(handle, range(4), strict=False)]
-    texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True) for row in rows]
-    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    policy, tokenizer = lora_policy(folder)
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in chat_prompts(tokenizer)]
     return policy, AdapterDisabledReference(policy), prompts
 
 
@@ -77,7 +69,7 @@ def step_after_sampling(policy, reference, ids, mask, groups: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--folder", default=os.path.join(ROOT, "models", "smollm2-135m"))
+    parser.add_argument("--folder", default=FOLDER)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     policy, reference, prompts = build(args.folder)
