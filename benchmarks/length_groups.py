@@ -53,16 +53,17 @@ def batch(prompts: list[list[int]], lengths: list[int], group_size: int) -> tupl
 
 
 def step_after_sampling(policy, reference, ids, mask, groups: int) -> float:
-    from lit_rlhf.algorithms.losses import logprobs_from_logits
+    from lit_rlhf.algorithms.chunked_logprobs import head_stats
     from lit_rlhf.models.forward import causal_lm_response_forward
 
-    response = ids[:, -MAX_NEW_TOKENS:]
+    valid = mask[:, -MAX_NEW_TOKENS:].bool()
+    tokens = ids[:, -MAX_NEW_TOKENS:][valid]
     start = time.perf_counter()
     with torch.no_grad():
-        causal_lm_response_forward(reference, ids, mask, MAX_NEW_TOKENS, False, True, groups)
-    logits, _ = causal_lm_response_forward(policy, ids, mask, MAX_NEW_TOKENS, False, True, groups)
-    logprobs = logprobs_from_logits(logits, response)
-    (logprobs * mask[:, -MAX_NEW_TOKENS:]).sum().backward()
+        ref = causal_lm_response_forward(reference, ids, mask, MAX_NEW_TOKENS, True, groups)
+        head_stats(ref.head_inputs[valid], tokens, ref.head, entropy=False)
+    forward = causal_lm_response_forward(policy, ids, mask, MAX_NEW_TOKENS, True, groups)
+    head_stats(forward.head_inputs[valid], tokens, forward.head).logprobs.sum().backward()
     policy.zero_grad(set_to_none=True)
     return time.perf_counter() - start
 

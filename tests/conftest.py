@@ -138,3 +138,63 @@ def generate(policy, prompts, group_size, sampling, eos_token_id, pad_token_id, 
 
     backend = make_backend(BackendContext(policy, eos_token_id, pad_token_id, sampling, generator))
     return backend.generate(prompts, group_size, sampling)
+
+
+# The slow, obvious reference for everything the library computes from logits (it never builds them itself:
+# lit_rlhf/algorithms/chunked_logprobs.py): the full (B, T, V) tensor and a log-softmax over it.
+
+
+def response_logits(forward) -> torch.Tensor:
+    """The full logits (B, T, V) of a `ResponseForward`, built by hand from its head (before the temperature)."""
+    if forward.logits is not None:
+        return forward.logits
+    head = forward.head
+    logits = forward.hidden @ head.weight.T
+    if head.bias is not None:
+        logits = logits + head.bias
+    logits = logits * head.scale
+    if head.softcap is not None:
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+    return logits if head.vocab is None else logits[..., : head.vocab]
+
+
+def full_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[token]: (..., V), (...) -> (...)."""
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return logp.gather(-1, tokens[..., None]).squeeze(-1)
+
+
+def full_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """-sum p log p over the vocabulary: (..., V) -> (...)."""
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return -(logp.exp() * logp.clamp(min=torch.finfo(torch.float64).min)).sum(-1)
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """sum p (log p - log q) over the vocabulary: (..., V) x2 -> (...)."""
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    logq = torch.log_softmax(ref_logits.double() / temperature, dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def forward_logits(model, input_ids, attention_mask, response_len, **kwargs) -> torch.Tensor:
+    """`causal_lm_response_forward`'s full logits (B, T, V) on the response grid (`response_logits`)."""
+    from lit_rlhf.models.forward import causal_lm_response_forward
+
+    return response_logits(causal_lm_response_forward(model, input_ids, attention_mask, response_len, **kwargs))
+
+
+def forward_from_logits(logits, tokens, logprobs=None, values=None, temperature=1.0, ref_logits=None):
+    """A `PolicyForward` over (B, T, V) `logits` (a head without weight, the model's own logits), its entropy,
+    log-probs (unless given) and, with `ref_logits`, exact KL computed from them at `temperature` by the library."""
+    from lit_rlhf.algorithms.chunked_logprobs import Head, head_stats
+    from lit_rlhf.algorithms.experience import PolicyForward
+    from lit_rlhf.models.forward import ResponseForward
+
+    B, T, V = logits.shape
+    reference = None if ref_logits is None else (ref_logits.reshape(-1, V), Head(None))
+    stats = head_stats(logits.reshape(-1, V), tokens.reshape(-1), Head(None), temperature, reference)
+    grid = {name: None if value is None else value.view(B, T) for name, value in vars(stats).items()}
+    logprobs = grid["logprobs"] if logprobs is None else logprobs
+    response = ResponseForward(logits, Head(None), logits)
+    return PolicyForward(response, values, logprobs, grid["entropy"], grid["kl"], grid["ref_logprobs"])

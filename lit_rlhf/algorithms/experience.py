@@ -14,42 +14,97 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlhf.algorithms import estimators, losses
+from lit_rlhf.algorithms.chunked_logprobs import HeadStats, head_stats
 from lit_rlhf.config import AlgorithmConfig
 from lit_rlhf.models.actor_critic import ActorCritic
-from lit_rlhf.models.forward import causal_lm_response_forward
+from lit_rlhf.models.forward import ResponseForward, causal_lm_response_forward
 from lit_rlhf.types import Experience, Rollout
 
 
 @dataclass
 class PolicyForward:
-    """The actor-critic's outputs on the response grid."""
+    """The actor-critic's outputs on the response grid and what the loss reads of them (0 outside the response
+    mask): the log-probs of the sampled tokens and the entropy at the sampling temperature, and, for a forward
+    given the reference's, the exact KL to it and its log-probs."""
 
-    logits: Tensor  # (B, T, V) in the model's dtype
+    response: ResponseForward  # the LM head's input (B, T, H) and the head
     values: Tensor | None  # (B, T) float32; None without a critic
-    logprobs: Tensor  # (B, T) float32, log-probs of the sampled response tokens at the sampling temperature
+    logprobs: Tensor  # (B, T) float32
+    entropy: Tensor  # (B, T) float32
+    kl: Tensor | None = None  # (B, T) float32, KL(pi || pi_ref) over the vocabulary; None: no reference given
+    ref_logprobs: Tensor | None = None  # (B, T) float32; None: no reference given
 
     def detach(self) -> PolicyForward:
-        values = self.values.detach() if self.values is not None else None
-        return PolicyForward(self.logits.detach(), values, self.logprobs.detach())
+        def detached(x: Tensor | None) -> Tensor | None:
+            return x.detach() if x is not None else None
+
+        return PolicyForward(
+            self.response.detach(),
+            detached(self.values),
+            self.logprobs.detach(),
+            self.entropy.detach(),
+            detached(self.kl),
+            detached(self.ref_logprobs),
+        )
 
 
-def policy_forward(actor_critic: ActorCritic, rollout: Rollout, temperature: float) -> PolicyForward:
-    """One actor-critic forward over prompt + response (with grad when grad is enabled)."""
-    logits, values = actor_critic(rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1])
-    return PolicyForward(logits, values, losses.logprobs_from_logits(logits, rollout.response_ids, temperature))
+def response_stats(
+    forward: ResponseForward,
+    rollout: Rollout,
+    temperature: float,
+    chunk_tokens: int,
+    reference: ResponseForward | None = None,
+    entropy: bool = True,
+) -> HeadStats:
+    """`chunked_logprobs.head_stats` of the rollout's response tokens: each valid token's log-prob, entropy and
+    (with the reference's forward) exact KL and reference log-prob, on the (B, T) grid, 0 outside the response mask.
+    Only the valid tokens go through the head."""
+    mask = rollout.response_mask  # (B, T) bool
+    ref = None if reference is None else (reference.head_inputs[mask], reference.head)
+    stats = head_stats(
+        forward.head_inputs[mask],  # (N, H)
+        rollout.response_ids[mask],  # (N,)
+        forward.head,
+        temperature,
+        ref,
+        entropy,
+        chunk_tokens,
+    )
+
+    def on_grid(values: Tensor | None) -> Tensor | None:
+        if values is None:
+            return None
+        return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+
+    return HeadStats(*(on_grid(getattr(stats, f.name)) for f in dataclasses.fields(stats)))  # type: ignore[arg-type]
+
+
+def policy_forward(
+    actor_critic: ActorCritic,
+    rollout: Rollout,
+    temperature: float,
+    chunk_tokens: int,
+    reference: ResponseForward | None = None,
+) -> PolicyForward:
+    """One actor-critic forward over prompt + response (with grad when grad is enabled); with the reference's
+    forward, also the exact KL to it."""
+    response, values = actor_critic(rollout.input_ids(), rollout.attention_mask(), rollout.response_ids.shape[1])
+    stats = response_stats(response, rollout, temperature, chunk_tokens, reference)
+    assert stats.entropy is not None
+    return PolicyForward(response, values, stats.logprobs, stats.entropy, stats.kl, stats.ref_logprobs)
 
 
 @torch.no_grad()
-def reference_logits(
-    reference: nn.Module, rollout: Rollout, share_prompts: bool = False, length_groups: int = 1
-) -> Tensor:
-    """The reference policy's logits on the response grid: (B, T, V) (`share_prompts`: each distinct prompt run
-    once; `length_groups`: rows of similar response length apart, 0 after each group's longest response)."""
+def frozen_forward(
+    model: nn.Module, rollout: Rollout, share_prompts: bool = False, length_groups: int = 1
+) -> ResponseForward:
+    """A no-grad forward on the response grid of a model that does not train here: the reference, or the copy of
+    the policy that sampled a stale rollout (`share_prompts`: each distinct prompt run once; `length_groups`: rows
+    of similar response length apart, 0 after each group's longest response)."""
     response_len = rollout.response_ids.shape[1]
-    logits, _ = causal_lm_response_forward(
-        reference, rollout.input_ids(), rollout.attention_mask(), response_len, False, share_prompts, length_groups
+    return causal_lm_response_forward(
+        model, rollout.input_ids(), rollout.attention_mask(), response_len, share_prompts, length_groups
     )
-    return logits
 
 
 def compute_advantages(
@@ -85,28 +140,25 @@ def make_experience(
     rollout: Rollout,
     algo: AlgorithmConfig,
     sampling_policy: PolicyForward,
-    ref_logits: Tensor | None,
-    temperature: float,
+    ref_logprobs: Tensor | None,
     advantages_of: AdvantageFn | None = None,
 ) -> Experience:
     """The complete experience of `rollout` from the sampling policy's (detached) forward and the reference's
-    logits ((B, T, V), None without a reference). `advantages_of` replaces `compute_advantages` when given."""
+    log-probs ((B, T), None without a reference or with the exact KL, which the policy's forward then holds with
+    them). `advantages_of` replaces `compute_advantages` when given."""
     policy = sampling_policy.detach()
-    ref_logprobs = kl = None
-    if ref_logits is not None:
-        ref_logprobs = losses.logprobs_from_logits(ref_logits, rollout.response_ids, temperature)
-        if algo.kl_estimator == "full":
-            kl = losses.full_kl_from_logits(policy.logits, ref_logits, temperature)
-        else:
-            kl = losses.kl_from_logprobs(policy.logprobs, ref_logprobs, algo.filled.kl_estimator)
+    kl = None
+    if policy.kl is not None:  # the exact KL: the forward was given the reference's
+        kl, ref_logprobs = policy.kl, policy.ref_logprobs
+    elif ref_logprobs is not None:
+        kl = losses.kl_from_logprobs(policy.logprobs, ref_logprobs, algo.filled.kl_estimator)
     if advantages_of is None:
         advantages, returns = compute_advantages(algo, rollout.scores, kl, policy.values, rollout.response_mask)
     else:
         advantages, returns = advantages_of(rollout, kl, policy.values)
     loss_mask = rollout.response_mask & ~(rollout.truncated[:, None] & algo.mask_truncated)
     if algo.entropy_top_fraction is not None:  # over the whole rollout, so every micro-batch sees the same tokens
-        entropy = losses.entropy_from_logits(policy.logits, temperature)
-        loss_mask = losses.top_entropy_mask(entropy, loss_mask, algo.entropy_top_fraction)
+        loss_mask = losses.top_entropy_mask(policy.entropy, loss_mask, algo.entropy_top_fraction)
     fields = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
     return Experience(
         **fields,

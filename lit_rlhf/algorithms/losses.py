@@ -1,7 +1,8 @@
-"""Pure tensor functions for PPO and GRPO: masks, log-probs, KL, advantages and losses.
+"""Pure tensor functions for PPO and GRPO: masks, KL estimators, advantages and losses.
 
 Nothing here knows about configs, models or Lightning; only torch is imported.
-Shapes: B = sequences, T = response length, V = vocabulary, G = group size.
+Shapes: B = sequences, T = response length, G = group size. What comes from the logits (log-probs, entropy, the
+exact KL) is computed in `chunked_logprobs`.
 Every per-token tensor is on the (B, T) response grid and `mask` is True on valid response tokens.
 """
 
@@ -15,9 +16,6 @@ from torch import Tensor
 GROUP_ESTIMATORS = ("grpo", "batch_std", "dr_grpo", "rloo")
 RATIO_LEVELS = ("token", "sequence", "sequence_token")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-
-# Rows of (B*T, V) logits converted to float32 at a time; bounds the float32 working copy.
-_LOGIT_ROWS_PER_CHUNK = 1024
 
 
 # ----------------------------------------------------------------------------- masked statistics
@@ -57,44 +55,6 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     return torch.where(mask.bool(), out, torch.zeros_like(out))
 
 
-# ----------------------------------------------------------------------------- log-probs, entropy
-
-
-# log-probs are clamped here in entropy and the exact KL: identical for finite values, and a masked id's -inf
-# (`models/vocabulary.py`) gives p log p = 0 instead of NaN
-_LOWEST = torch.finfo(torch.float32).min
-
-
-def logprobs_from_logits(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[token] in float32: (B, T, V), (B, T) -> (B, T).
-
-    Works chunk by chunk over rows so a float32 copy of the full (B, T, V) tensor never exists.
-    """
-    flat_logits = logits.reshape(-1, logits.shape[-1])  # (B*T, V)
-    flat_tokens = tokens.reshape(-1)  # (B*T,)
-    out = torch.empty(flat_tokens.shape, dtype=torch.float32, device=logits.device)
-    for start in range(0, flat_logits.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        rows = flat_logits[start : start + _LOGIT_ROWS_PER_CHUNK].float()
-        if temperature != 1.0:
-            rows = rows / temperature
-        picked = rows.gather(-1, flat_tokens[start : start + _LOGIT_ROWS_PER_CHUNK, None]).squeeze(-1)
-        out[start : start + rows.shape[0]] = picked - torch.logsumexp(rows, dim=-1)
-    return out.view(tokens.shape)
-
-
-def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Entropy of softmax(logits / temperature) per position in float32: (B, T, V) -> (B, T)."""
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat_logits.shape[0], dtype=torch.float32, device=logits.device)
-    for start in range(0, flat_logits.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        rows = flat_logits[start : start + _LOGIT_ROWS_PER_CHUNK].float()
-        if temperature != 1.0:
-            rows = rows / temperature
-        logp = torch.log_softmax(rows, dim=-1).clamp(min=_LOWEST)  # a masked (-inf) logit: 0 * lowest, not NaN
-        out[start : start + rows.shape[0]] = -(logp.exp() * logp).sum(-1)
-    return out.view(logits.shape[:-1])
-
-
 # ----------------------------------------------------------------------------- KL
 
 
@@ -110,20 +70,9 @@ def kl_from_logprobs(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> 
         return 0.5 * d * d
     if estimator == "k3":
         return torch.expm1(-d) + d
-    raise ValueError(f"unknown sampled KL estimator {estimator!r}; choose one of k1, k2, k3 (or 'full' with logits)")
-
-
-def full_kl_from_logits(logits: Tensor, ref_logits: Tensor, temperature: float = 1.0) -> Tensor:
-    """Exact KL over the vocabulary, sum_v p(v) (log p(v) - log p_ref(v)): (B, T, V) x2 -> (B, T)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    flat_ref = ref_logits.reshape(-1, ref_logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    for start in range(0, flat.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        logp = torch.log_softmax(flat[start : start + _LOGIT_ROWS_PER_CHUNK].float() / temperature, -1)
-        ref_logp = torch.log_softmax(flat_ref[start : start + _LOGIT_ROWS_PER_CHUNK].float() / temperature, -1)
-        logp, ref_logp = logp.clamp(min=_LOWEST), ref_logp.clamp(min=_LOWEST)  # masked (-inf) logits: no NaN
-        out[start : start + logp.shape[0]] = (logp.exp() * (logp - ref_logp)).sum(-1)
-    return out.view(logits.shape[:-1])
+    raise ValueError(
+        f"unknown sampled KL estimator {estimator!r}; choose one of k1, k2, k3 (the exact KL: chunked_logprobs)"
+    )
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -33,17 +33,13 @@ class MinibatchTotals:
 
 
 def ppo_objective(
-    current: PolicyForward,
-    mb: Experience,
-    algo: AlgorithmConfig,
-    totals: MinibatchTotals,
-    temperature: float,
-    ref_logits: Tensor | None = None,
+    current: PolicyForward, mb: Experience, algo: AlgorithmConfig, totals: MinibatchTotals
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss of micro-batch `mb` under the current policy's forward, and its statistics (each this
     micro-batch's share of the minibatch value, so they add up over micro-batches).
 
-    ref_logits: (B, T, V) reference logits, needed only for the exact KL (`kl_estimator: full`) in the loss.
+    For the exact KL (`kl_estimator: full`) in the loss, `current` is a forward given the reference's (it holds
+    the KL).
     """
     mask = mb.loss_mask
 
@@ -69,10 +65,10 @@ def ppo_objective(
         stats["value/clipfrac"] = token_share(value_clipped.float())
     if algo.uses_reference and not algo.kl_in_reward:
         estimator = algo.filled.kl_estimator
-        kl_loss = aggregate(kl_to_reference(current, mb, estimator, temperature, ref_logits))
+        kl_loss = aggregate(kl_to_reference(current, mb, estimator))
         loss = loss + algo.filled.kl_coef * kl_loss
         stats["policy/kl_loss"] = float(kl_loss.detach())
-    entropy = losses.entropy_from_logits(current.logits if algo.entropy_coef else current.logits.detach(), temperature)
+    entropy = current.entropy if algo.entropy_coef else current.entropy.detach()
     if algo.entropy_coef:
         loss = loss - algo.entropy_coef * aggregate(entropy)
     stats["objective/entropy"] = token_share(entropy)
@@ -107,14 +103,12 @@ def policy_term(
     return policy_tokens, stats
 
 
-def kl_to_reference(
-    current: PolicyForward, mb: Experience, estimator: str, temperature: float, ref_logits: Tensor | None
-) -> Tensor:
+def kl_to_reference(current: PolicyForward, mb: Experience, estimator: str) -> Tensor:
     """Per-token KL of the current policy to the reference, differentiable: (B, T)."""
     if estimator == "full":
-        if ref_logits is None:
-            raise ValueError("kl_to_reference: the exact KL needs the reference's logits")
-        return losses.full_kl_from_logits(current.logits, ref_logits, temperature)
+        if current.kl is None:
+            raise ValueError("kl_to_reference: the exact KL needs a policy forward given the reference's")
+        return current.kl
     if mb.ref_logprobs is None:
         raise ValueError("kl_to_reference: the experience has no reference log-probs")
     return losses.kl_from_logprobs(current.logprobs, mb.ref_logprobs, estimator)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from torch import Tensor, nn
 
-from lit_rlhf.models.forward import causal_lm_response_forward
+from lit_rlhf.models.forward import ResponseForward, causal_lm_response_forward
 
 
 class ActorCritic(nn.Module):
@@ -42,28 +42,30 @@ class ActorCritic(nn.Module):
             nn.init.normal_(self.value_head.weight, std=1.0 / (hidden_size + 1) ** 0.5)
             nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, response_len: int) -> tuple[Tensor, Tensor | None]:
-        """(B, P+T) -> logits (B, T, V), values (B, T) float32 or None."""
-        shared = self.value_head is not None and self.critic_backbone is None
-        logits, hidden = causal_lm_response_forward(
-            self.policy, input_ids, attention_mask, response_len, shared, self.share_prompts, self.length_groups
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, response_len: int
+    ) -> tuple[ResponseForward, Tensor | None]:
+        """(B, P+T) -> the policy's `ResponseForward` (the LM head's input (B, T, H) and the head), values (B, T)
+        float32 or None."""
+        policy = causal_lm_response_forward(
+            self.policy, input_ids, attention_mask, response_len, self.share_prompts, self.length_groups
         )
-        values = None
-        if self.value_head is not None:
-            if self.critic_backbone is not None:
-                _, hidden = causal_lm_response_forward(
-                    self.critic_backbone,
-                    input_ids,
-                    attention_mask,
-                    response_len,
-                    True,
-                    self.share_prompts,
-                    self.length_groups,
-                )
-            if hidden is None:
-                raise RuntimeError("ActorCritic: the value head needs the last hidden state; the forward gave none")
-            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return logits, values
+        if self.value_head is None:
+            return policy, None
+        hidden = policy.hidden
+        if self.critic_backbone is not None:
+            critic = causal_lm_response_forward(
+                self.critic_backbone,
+                input_ids,
+                attention_mask,
+                response_len,
+                self.share_prompts,
+                self.length_groups,
+                head=False,
+            )
+            hidden = critic.hidden
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return policy, values
 
 
 @contextlib.contextmanager

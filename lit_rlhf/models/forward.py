@@ -1,13 +1,15 @@
-"""The one forward that training, evaluation and the reference share: logits (and the last hidden state) on the
-(B, T) response grid only, plain or with each distinct prompt run once (`algorithm.share_prompt_forward`).
+"""The one forward that training, evaluation and the reference share: the LM head's input (the final hidden states)
+on the (B, T) response grid only, plain or with each distinct prompt run once (`algorithm.share_prompt_forward`).
+No logits are built: the head's input is caught and the head skipped (`lit_rlhf.models.output_head`), and each
+phase computes the few numbers it needs per token from it in chunks (`lit_rlhf.algorithms.chunked_logprobs`).
 
 Shared prompts: a GRPO rollout holds every prompt `group_size` times, so the plain forward runs each prompt's
 tokens through the model G times, forward and backward; with a chat template and a system prompt they are most
 of the tokens. The shared forward runs the distinct prompts once (one row each, their KV cache kept with its
 autograd history), gathers the cache rows back to the batch's rows (`index_select`: its backward sums the G
 rows' gradients into the one prompt row) and runs the responses over that cache. Every valid token sees the same
-keys, values and positions as in the plain forward, so logits and gradients agree up to float rounding. This is
-the shared-prefix forward of Prefix Grouper (Liu et al. 2025, https://arxiv.org/abs/2506.05433).
+keys, values and positions as in the plain forward, so the outputs and gradients agree up to float rounding. This
+is the shared-prefix forward of Prefix Grouper (Liu et al. 2025, https://arxiv.org/abs/2506.05433).
 
 Length groups (`algorithm.length_groups`): rows of similar response length run apart, each group cut to its
 longest response (`lit_rlhf.models.length_groups`), plain or over each group's copy of the prompts' cache rows.
@@ -15,6 +17,7 @@ longest response (`lit_rlhf.models.length_groups`), plain or over each group's c
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lit_rlhf.algorithms.chunked_logprobs import Head
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models import length_groups as grouping
+from lit_rlhf.models.output_head import base_model, capture_head_input, reads_head
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -31,23 +36,45 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def response_logits(logits: Tensor, prompt_len: int, response_len: int | None = None) -> Tensor:
-    """The logits that predict each response token: (B, P+T, V) -> (B, T, V).
+def response_positions(outputs: Tensor, prompt_len: int, response_len: int | None = None) -> Tensor:
+    """The positions that predict each response token: (B, P+T, ...) -> (B, T, ...).
 
     Position P-1 predicts the first response token, so the slice is `[P-1 : P-1+T]`.
     This is the only place in the library where that off-by-one lives.
     """
-    total = logits.shape[1]
+    total = outputs.shape[1]
     if response_len is None:
         response_len = total - prompt_len
-    return logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    return outputs[:, prompt_len - 1 : prompt_len - 1 + response_len]
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model itself: the one a wrapper that passes its **kwargs on holds (a peft model, the
-    adapter-disabled reference: `get_base_model`), else `model`."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+@dataclass
+class ResponseForward:
+    """A forward's outputs on the (B, T) response grid: the LM head's input, and how logits come from it.
+
+    Where the head can be read (`output_head.reads_head`), no logits are built: `head` holds its weight and
+    `chunked_logprobs.head_stats` computes from `hidden` chunk by chunk. Otherwise `logits` holds the model's
+    own and `head` is the identity over them.
+    """
+
+    hidden: Tensor  # (B, T, H)
+    head: Head
+    logits: Tensor | None = None  # (B, T, V), only for a head that cannot be read
+
+    @property
+    def head_inputs(self) -> Tensor:
+        """What `head` turns into logits: (B, T, H), or (B, T, V) the logits themselves."""
+        return self.hidden if self.logits is None else self.logits
+
+    def detach(self) -> ResponseForward:
+        logits = self.logits.detach() if self.logits is not None else None
+        weight, bias = self.head.weight, self.head.bias
+        head = dataclasses.replace(
+            self.head,
+            weight=weight.detach() if weight is not None else None,
+            bias=bias.detach() if bias is not None else None,
+        )
+        return ResponseForward(self.hidden.detach(), head, logits)
 
 
 def accepts_argument(model: nn.Module, argument: str) -> bool:
@@ -71,35 +98,36 @@ def causal_lm_response_forward(
     input_ids: Tensor,
     attention_mask: Tensor,
     response_len: int,
-    want_hidden: bool = False,
     share_prompts: bool = False,
     length_groups: int = 1,
-) -> tuple[Tensor, Tensor | None]:
-    """Logits predicting the last `response_len` tokens, and optionally the last hidden state there.
+    head: bool = True,
+) -> ResponseForward:
+    """The LM head's input where it predicts the last `response_len` tokens, and the head.
 
-    input_ids, attention_mask (B, P+T) -> logits (B, T, V) in the model's dtype, hidden (B, T, H) or None.
-    Only the T+1 last positions go through the LM head when the model supports `logits_to_keep`.
+    input_ids, attention_mask (B, P+T) -> hidden (B, T, H) in the model's dtype. `head` False: the caller needs
+    the hidden states only (a critic's backbone), so the head is never checked and never run.
     `share_prompts`: run each distinct prompt once when some repeat (`shared_prompt_response_forward`).
     `length_groups` > 1: rows of similar response length run in up to that many groups, each cut to its longest
     response (`lit_rlhf.models.length_groups`); a group's columns after its width are then 0, not computed.
     """
+    skip_head = not head or reads_head(model, input_ids, attention_mask)
     groups = response_groups(attention_mask, response_len, length_groups)
     if share_prompts and can_share_prompts(model, input_ids, response_len):
         prompt_len = input_ids.shape[1] - response_len
         distinct = distinct_prompts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])
         if distinct[0].shape[0] < input_ids.shape[0]:  # some prompt repeats
             return shared_prompt_response_forward(
-                model, input_ids, attention_mask, response_len, distinct, want_hidden, groups
+                model, input_ids, attention_mask, response_len, distinct, skip_head, groups
             )
     if groups is None:
-        return plain_response_forward(model, input_ids, attention_mask, response_len, want_hidden)
+        return plain_response_forward(model, input_ids, attention_mask, response_len, skip_head)
     P = input_ids.shape[1] - response_len
     parts = []
     for rows, width in groups:
         mask = attention_mask[rows, : P + width]
         first = int(mask[:, :P].any(0).long().argmax())  # the prompt columns before it are padding in every row
         parts.append(
-            plain_response_forward(model, input_ids[rows, first : P + width], mask[:, first:], width, want_hidden)
+            plain_response_forward(model, input_ids[rows, first : P + width], mask[:, first:], width, skip_head)
         )
     return scattered(parts, groups, input_ids.shape[0], response_len)
 
@@ -113,38 +141,49 @@ def response_groups(attention_mask: Tensor, response_len: int, max_groups: int) 
 
 
 def scattered(
-    parts: list[tuple[Tensor, Tensor | None]], groups: list[tuple[Tensor, int]], batch: int, response_len: int
-) -> tuple[Tensor, Tensor | None]:
-    """The groups' (logits, hidden) back on the batch's (B, T) grid, zeros after each group's width."""
-    logits = grouping.scatter_rows([part[0] for part in parts], groups, batch, response_len)
-    hiddens = [hidden for _, hidden in parts if hidden is not None]
-    if len(hiddens) < len(parts):
-        return logits, None
-    return logits, grouping.scatter_rows(hiddens, groups, batch, response_len)
+    parts: list[ResponseForward], groups: list[tuple[Tensor, int]], batch: int, response_len: int
+) -> ResponseForward:
+    """The groups' outputs back on the batch's (B, T) grid, zeros after each group's width."""
+    hidden = grouping.scatter_rows([part.hidden for part in parts], groups, batch, response_len)
+    logits = [part.logits for part in parts if part.logits is not None]
+    if not logits:
+        return ResponseForward(hidden, parts[0].head)
+    return ResponseForward(hidden, parts[0].head, grouping.scatter_rows(logits, groups, batch, response_len))
+
+
+def model_call(model: nn.Module, skip_head: bool, **kwargs: Any) -> tuple[Any, ResponseForward]:
+    """`model(**kwargs)` with the head's input caught: its output and (hidden (b, k, H), head, logits (b, k, V) or
+    None) over the positions it kept; `skip_head`: the head runs on nothing, so no logits are built."""
+    with capture_head_input(model, skip_head) as caught:
+        out = model(**kwargs)
+    if caught.hidden is None:
+        raise ConfigError(
+            f"model: {type(base_model(model)).__name__}'s forward never called the module its "
+            "get_output_embeddings() returns, so its LM head's input cannot be read; lit_rlhf needs a transformers "
+            "causal LM (or a model whose get_output_embeddings() is the layer that computes its logits)"
+        )
+    if caught.skipped:
+        head = caught.head if isinstance(caught.head, Head) else Head(None)  # a critic: the head is never used
+        return out, ResponseForward(caught.hidden, head)
+    return out, ResponseForward(caught.hidden, Head(None), out.logits)
 
 
 def plain_response_forward(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, want_hidden: bool
-) -> tuple[Tensor, Tensor | None]:
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, skip_head: bool
+) -> ResponseForward:
     """`causal_lm_response_forward`'s contract in one forward over every row's prompt and response."""
     kwargs: dict[str, Any] = dict(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),
         use_cache=False,
-        output_hidden_states=want_hidden,
     )
     if accepts_argument(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = response_len + 1
-    out = model(**kwargs)
-    logits = out.logits
-    kept_prompt = logits.shape[1] - response_len  # 1 when logits_to_keep worked, P otherwise
-    logits = response_logits(logits, kept_prompt, response_len)
-    hidden = None
-    if want_hidden:
-        last = out.hidden_states[-1]
-        hidden = response_logits(last, last.shape[1] - response_len, response_len)
-    return logits, hidden
+    _, caught = model_call(model, skip_head, **kwargs)
+    kept = caught.hidden.shape[1] - response_len  # 1 when logits_to_keep worked, P otherwise
+    logits = response_positions(caught.logits, kept, response_len) if caught.logits is not None else None
+    return ResponseForward(response_positions(caught.hidden, kept, response_len), caught.head, logits)
 
 
 def distinct_prompts(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -180,25 +219,23 @@ def shared_prompt_response_forward(
     attention_mask: Tensor,
     response_len: int,
     distinct: tuple[Tensor, Tensor, Tensor],
-    want_hidden: bool = False,
+    skip_head: bool = True,
     groups: list[tuple[Tensor, int]] | None = None,
-) -> tuple[Tensor, Tensor | None]:
+) -> ResponseForward:
     """`causal_lm_response_forward`'s contract with each distinct prompt run once.
 
-    input_ids, attention_mask (B, P+T) -> logits (B, T, V), hidden (B, T, H) or None; `distinct`: the prompts'
-    `distinct_prompts`. The last prompt position predicts response token 0 and response tokens 0..T-2 the rest
-    (the last response token is not run). `groups`: (rows, width) of `response_groups`, each run over its own
-    copy of the prompts' cache rows and cut to its width; None: all rows at once over the cache itself.
+    input_ids, attention_mask (B, P+T) -> hidden (B, T, H); `distinct`: the prompts' `distinct_prompts`. The last
+    prompt position predicts response token 0 and response tokens 0..T-2 the rest (the last response token is not
+    run). `groups`: (rows, width) of `response_groups`, each run over its own copy of the prompts' cache rows and
+    cut to its width; None: all rows at once over the cache itself.
     """
-    prefix = PromptPrefix.of(model, distinct, want_hidden)
+    prefix = PromptPrefix.of(model, distinct, skip_head)
     if groups is not None and not grouping.can_copy_rows(prefix.cache):
-        groups = None  # a cache of another kind: one group as wide as the grid (the same logits, padded)
+        groups = None  # a cache of another kind: one group as wide as the grid (the same outputs, padded)
     if groups is None:
-        return responses_after_prompts(
-            model, prefix, input_ids, attention_mask, response_len, None, response_len, want_hidden
-        )
+        return responses_after_prompts(model, prefix, input_ids, attention_mask, response_len, None, response_len)
     parts = [
-        responses_after_prompts(model, prefix, input_ids, attention_mask, response_len, rows, width, want_hidden)
+        responses_after_prompts(model, prefix, input_ids, attention_mask, response_len, rows, width)
         for rows, width in groups
     ]
     return scattered(parts, groups, input_ids.shape[0], response_len)
@@ -206,24 +243,25 @@ def shared_prompt_response_forward(
 
 @dataclass
 class PromptPrefix:
-    """The distinct prompts' forward: their KV cache (U rows), the logits (U, 1, V) and hidden state (U, 1, H) or
-    None that predict response token 0, and each batch row's prompt, `inverse` (B,)."""
+    """The distinct prompts' forward: their KV cache (U rows), the outputs at their last position (U, 1, ...),
+    which predict response token 0, each batch row's prompt, `inverse` (B,), and whether the head is skipped."""
 
     cache: Any
-    logits: Tensor
-    hidden: Tensor | None
+    last: ResponseForward
     inverse: Tensor
+    skip_head: bool
 
     @classmethod
-    def of(cls, model: nn.Module, distinct: tuple[Tensor, Tensor, Tensor], want_hidden: bool) -> PromptPrefix:
+    def of(cls, model: nn.Module, distinct: tuple[Tensor, Tensor, Tensor], skip_head: bool) -> PromptPrefix:
         ids, mask, inverse = distinct  # (U, P), (U, P), (B,)
         keep_last = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
-        out = model(
+        out, caught = model_call(
+            model,
+            skip_head,
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask),
             use_cache=True,
-            output_hidden_states=want_hidden,
             **keep_last,
         )
         cache = returned_cache(out)
@@ -233,8 +271,8 @@ class PromptPrefix:
                 "cache from the prompt forward, so its prompts cannot be shared; set algorithm.share_prompt_forward: "
                 "false"
             )
-        hidden = out.hidden_states[-1][:, -1:] if want_hidden else None
-        return cls(cache, out.logits[:, -1:], hidden, inverse)
+        logits = caught.logits[:, -1:] if caught.logits is not None else None
+        return cls(cache, ResponseForward(caught.hidden[:, -1:], caught.head, logits), inverse, skip_head)
 
 
 def responses_after_prompts(
@@ -245,11 +283,10 @@ def responses_after_prompts(
     response_len: int,
     rows: Tensor | None,
     width: int,
-    want_hidden: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """Logits (b, width, V) and hidden (b, width, H) or None of the batch rows `rows`, cut to `width` of the grid's
-    `response_len` columns. None: all rows, over the prompts' cache itself (its rows gathered in place); else over
-    a copy of their rows of it."""
+) -> ResponseForward:
+    """The outputs (b, width, ...) of the batch rows `rows`, cut to `width` of the grid's `response_len` columns.
+    None: all rows, over the prompts' cache itself (its rows gathered in place); else over a copy of their rows
+    of it."""
     P = input_ids.shape[1] - response_len
     if rows is None:
         prompt_rows = prefix.inverse  # (B,)
@@ -259,19 +296,21 @@ def responses_after_prompts(
         prompt_rows = prefix.inverse[rows]  # (b,)
         cache = grouping.cache_rows(prefix.cache, prompt_rows)
         input_ids, attention_mask = input_ids[rows], attention_mask[rows]
-    logits = prefix.logits.index_select(0, prompt_rows)  # (b, 1, V)
-    hidden = prefix.hidden.index_select(0, prompt_rows) if prefix.hidden is not None else None  # (b, 1, H)
+    first = prefix.last
+    hidden = first.hidden.index_select(0, prompt_rows)  # (b, 1, H)
+    logits = first.logits.index_select(0, prompt_rows) if first.logits is not None else None  # (b, 1, V)
     if width == 1:
-        return logits, hidden
-    out = model(
+        return ResponseForward(hidden, first.head, logits)
+    _, rest = model_call(
+        model,
+        prefix.skip_head,
         input_ids=input_ids[:, P : P + width - 1],  # (b, width-1)
         attention_mask=attention_mask[:, : P + width - 1],
         position_ids=position_ids_from_mask(attention_mask[:, : P + width - 1])[:, P:],
         use_cache=True,
-        output_hidden_states=want_hidden,
         **{cache_keyword(model): cache},
     )
-    logits = torch.cat([logits, out.logits], dim=1)  # (b, width, V)
-    if hidden is not None:
-        hidden = torch.cat([hidden, out.hidden_states[-1]], dim=1)  # (b, width, H)
-    return logits, hidden
+    hidden = torch.cat([hidden, rest.hidden], dim=1)  # (b, width, H)
+    if logits is not None and rest.logits is not None:
+        logits = torch.cat([logits, rest.logits], dim=1)  # (b, width, V)
+    return ResponseForward(hidden, first.head, logits)

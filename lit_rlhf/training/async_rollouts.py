@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_rlhf.algorithms.losses import logprobs_from_logits
+from lit_rlhf.algorithms.experience import frozen_forward, response_stats
 from lit_rlhf.data.handoff import PromptSupply
-from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.rollout.backends.base import RolloutBackend
 from lit_rlhf.rollout.collect import Collector, RolloutTimings
 from lit_rlhf.rollout.dynamic import dynamic_rollout, refill_position
@@ -50,7 +49,7 @@ SEED_STRIDE = 1_000_003
 class AsyncSettings:
     """How far ahead to sample, the random stream's base seed, dynamic sampling's (group size, rounds, pad id)
     or None, and what the behaviour log-probs are computed with (temperature, shared prompt forward, length
-    groups)."""
+    groups, logit chunk)."""
 
     max_staleness: int
     seed: int
@@ -59,6 +58,7 @@ class AsyncSettings:
     temperature: float
     share_prompts: bool
     length_groups: int
+    logit_chunk_tokens: int
 
 
 def trainable_weights(policy: nn.Module) -> dict[str, Tensor]:
@@ -80,17 +80,12 @@ def load_weights(model: nn.Module, weights: dict[str, Tensor]) -> None:
 
 
 @torch.no_grad()
-def behaviour_logprobs(
-    model: nn.Module, rollout: Rollout, temperature: float, share_prompts: bool, length_groups: int
-) -> Tensor:
+def behaviour_logprobs(model: nn.Module, rollout: Rollout, settings: AsyncSettings) -> Tensor:
     """The log-probs (B, T) of the sampled tokens under `model`, the copy that sampled them, computed as the
     trainer computes its own (0 after each response's end)."""
-    response_len = rollout.response_ids.shape[1]
-    logits, _ = causal_lm_response_forward(
-        model, rollout.input_ids(), rollout.attention_mask(), response_len, False, share_prompts, length_groups
-    )
-    logprobs = logprobs_from_logits(logits, rollout.response_ids, temperature).float()
-    return torch.where(rollout.response_mask, logprobs, torch.zeros_like(logprobs))
+    forward = frozen_forward(model, rollout, settings.share_prompts, settings.length_groups)
+    stats = response_stats(forward, rollout, settings.temperature, settings.logit_chunk_tokens, entropy=False)
+    return stats.logprobs.float()
 
 
 class AsyncRollouts:
@@ -134,9 +129,7 @@ class AsyncRollouts:
                 refill = lambda j: job.refills[j - 1]  # noqa: E731  # extra round j, 1-based
                 rollout, timings = dynamic_rollout(collect, job.prompts, refill, group_size, rounds, pad)
             if rollout.sampler_logprobs is None:  # an in-process sampler: its copy's forward is the behaviour policy
-                rollout.sampler_logprobs = behaviour_logprobs(
-                    self.sampler, rollout, settings.temperature, settings.share_prompts, settings.length_groups
-                )
+                rollout.sampler_logprobs = behaviour_logprobs(self.sampler, rollout, settings)
             if rollout.response_ids.is_cuda:
                 torch.cuda.current_stream(rollout.response_ids.device).synchronize()
         return ProducedRollout(job.index, rollout, timings, job.weights_step, list(job.prompts.texts))

@@ -16,8 +16,6 @@ from lit_rlhf.algorithms.experience import (
     PolicyForward,
     compute_advantages,
     make_experience,
-    policy_forward,
-    reference_logits,
     sampler_metrics,
     shaping_metrics,
 )
@@ -47,6 +45,7 @@ from lit_rlhf.training import metrics as logs
 from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
+from lit_rlhf.training.forwards import ModelForwards
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
@@ -57,7 +56,9 @@ from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
 @refuses_trl_names("model")
-class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation, PolicyExport, ContextWindowCheck):
+class RLHFModule(
+    ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation, PolicyExport, ContextWindowCheck, ModelForwards
+):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 
     Args:
@@ -236,25 +237,21 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
         update to reuse (one policy forward per step); otherwise it is a no-grad forward and None is returned.
         """
         rollout, scored = split_pending(rollout)  # a pending rollout's scores are joined after the forwards
-        temperature = self.sampling.temperature
-        ref_logits = self.reference_forward(rollout) if self.reference is not None else None
+        algo = self.algorithm
+        reference = self.reference_forward(rollout) if self.reference is not None else None
+        exact_kl = reference is not None and algo.kl_estimator == "full"  # the policy's forward computes it
+        ref_logprobs = None
+        if reference is not None and not exact_kl:
+            ref_logprobs = self.token_logprobs(reference, rollout)
+        reference = reference if exact_kl else None  # (B, T, H) kept only until the policy's forward
         first_forward = None
-        if self.algorithm.policy_forward_in_rollout(rollout.batch_size):
+        if algo.policy_forward_in_rollout(rollout.batch_size):
             with torch.no_grad():
-                sampling_policy = policy_forward(self.actor_critic, rollout, temperature)
+                sampling_policy = self.policy_forward(rollout, reference)
         else:
-            sampling_policy = first_forward = policy_forward(self.actor_critic, rollout, temperature)
-        experience = make_experience(
-            scored(), self.algorithm, sampling_policy, ref_logits, temperature, self.compute_advantages
-        )
+            sampling_policy = first_forward = self.policy_forward(rollout, reference)
+        experience = make_experience(scored(), algo, sampling_policy, ref_logprobs, self.compute_advantages)
         return experience, first_forward
-
-    def reference_forward(self, mb: Rollout) -> Tensor:
-        """The reference's logits (B, T, V) on a rollout or micro-batch, forwarded as the actor-critic's are."""
-        assert self.reference is not None  # the callers check
-        logits = reference_logits(self.reference, mb, self.actor_critic.share_prompts, self.actor_critic.length_groups)
-        reshard_frozen(self.reference)  # FSDP2
-        return logits
 
     def on_experience(self, experience: Experience) -> None:
         """Hook called with every complete experience before the update (for callbacks and tests)."""
@@ -292,8 +289,9 @@ class RLHFModule(ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation
     ) -> tuple[Tensor, dict[str, float]]:
         """The loss of one micro-batch, normalised by its minibatch's totals (`forward`: its policy forward,
         when the caller already ran it)."""
-        current = forward if forward is not None else policy_forward(self.actor_critic, mb, self.sampling.temperature)
-        ref_logits = None
-        if self.algorithm.full_kl_in_loss and self.reference is not None:
-            ref_logits = self.reference_forward(mb)
-        return ppo_objective(current, mb, self.algorithm, totals, self.sampling.temperature, ref_logits)
+        if forward is None:
+            reference = None
+            if self.algorithm.full_kl_in_loss and self.reference is not None:
+                reference = self.reference_forward(mb)
+            forward = self.policy_forward(mb, reference)
+        return ppo_objective(forward, mb, self.algorithm, totals)

@@ -154,6 +154,7 @@ class Rollouts(L.LightningModule):
                 self.rollout_settings.sampling.temperature,
                 algo.share_prompt_forward,
                 self.actor_critic.length_groups,
+                algo.logit_chunk_tokens,
             )
             supply = self.refill_supply() if algo.dynamic_sampling else self.prompt_supply
             assert supply is not None  # check_async_fit

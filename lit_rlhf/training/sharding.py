@@ -110,22 +110,25 @@ def shard_module_models(module: Any, shard_frozen: bool) -> None:
 @contextlib.contextmanager
 def unsharded_for_rollout(model: nn.Module) -> Iterator[None]:
     """Gather every FSDP2 unit of `model` once and keep it gathered until the block ends (sampling's many small
-    forwards would otherwise all-gather and free each block at every decoding step); reshard after."""
+    forwards would otherwise all-gather and free each block at every decoding step); reshard after, and give each
+    unit back FSDP2's own setting: a root unit stays gathered after its forward (the LM head's weight, which the
+    chunked log-probs read after the forward and in backward), the others reshard."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # torch without FSDP2: nothing can be sharded
-        units = []
+        units = {}
     else:
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
+        units = {name: m for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    for unit in units.values():
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
         yield
     finally:
-        for unit in units:
+        for name, unit in units.items():
             unit.reshard()
-            unit.set_reshard_after_forward(True, recurse=False)
+            root = not any(name.startswith(other + ".") for other in units if other != name)
+            unit.set_reshard_after_forward(not root, recurse=False)
         if units and all(p.device.type == "cpu" for p in model.parameters()):
             return_freed_memory()
 

@@ -13,9 +13,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from conftest import checksum, make_trainer
+from conftest import checksum, full_logprobs, make_trainer
 from lit_rlhf import AlgorithmConfig, ConfigError, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.algorithms.losses import logprobs_from_logits
 from lit_rlhf.rewards.functions import RewardError
 from lit_rlhf.rollout.dynamic import refill_position
 from lit_rlhf.rollout.environment import EnvironmentConfig
@@ -103,7 +102,7 @@ def test_each_step_trains_the_synchronous_prompts_sampled_k_updates_earlier(k):
                 input_ids=seen["input_ids"], attention_mask=mask, position_ids=mask.cumsum(1).sub(1).clamp(min=0)
             ).logits
         width = seen["response_ids"].shape[1]
-        expected = logprobs_from_logits(logits[:, -width - 1 : -1], seen["response_ids"]) * seen["response_mask"]
+        expected = full_logprobs(logits[:, -width - 1 : -1], seen["response_ids"]).float() * seen["response_mask"]
         torch.testing.assert_close(seen["sampler_logprobs"], expected, atol=2e-5, rtol=0)
     assert record.metrics[-1]["policy/tis_weight_mean"] > 0  # the correction ran
     assert not producer_threads()  # rollouts still queued at the end of fit: dropped, the thread is gone

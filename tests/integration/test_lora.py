@@ -8,14 +8,13 @@ import copy
 import pytest
 import torch
 
-from conftest import checksum, make_policy, make_trainer
+from conftest import checksum, forward_logits, make_policy, make_trainer
 
 pytest.importorskip("peft")
 
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf.config import ConfigError
-from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.models.lora import AdapterDisabledReference, parameter_bytes
 
 REWARD = ["lit_rlhf.tasks.digits.sort_digits_reward"]
@@ -84,9 +83,9 @@ def test_lora_kl_is_zero_on_the_first_step_and_the_base_weights_stay_put(name):
     ids = torch.randint(3, 14, (3, 9))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        ref_logits, _ = causal_lm_response_forward(module.reference, ids, mask, 4)
-        orig_logits, _ = causal_lm_response_forward(original, ids, mask, 4)
-        lora_logits, _ = causal_lm_response_forward(module.actor_critic.policy, ids, mask, 4)
+        ref_logits = forward_logits(module.reference, ids, mask, 4)
+        orig_logits = forward_logits(original, ids, mask, 4)
+        lora_logits = forward_logits(module.actor_critic.policy, ids, mask, 4)
     assert torch.equal(ref_logits, orig_logits)
     assert not torch.allclose(lora_logits, orig_logits)
     base = module.actor_critic.policy.get_base_model()

@@ -25,12 +25,13 @@ class ForwardCounter(RLHFModule):
             key = "actor_critic_grad" if torch.is_grad_enabled() else "actor_critic_no_grad"
             self.counts[key] += 1
 
-        def on_reference(module, args, output):
-            self.counts["reference"] += 1
+        def on_reference(module, args, kwargs, output):
+            if kwargs["input_ids"].shape[0] > 1:  # not the one-row check of its head (`output_head.check_head`)
+                self.counts["reference"] += 1
 
         self.actor_critic.register_forward_hook(on_actor_critic)
         if self.reference is not None:
-            self.reference.register_forward_hook(on_reference)
+            self.reference.register_forward_hook(on_reference, with_kwargs=True)
 
 
 def count_forwards(algorithm: AlgorithmConfig, steps: int = 2) -> dict[str, float]:

@@ -8,10 +8,9 @@ import math
 import pytest
 import torch
 
-from conftest import generate, make_policy, make_trainer, prompt_batch
+from conftest import forward_logits, full_entropy, full_logprobs, generate, make_policy, make_trainer, prompt_batch
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.algorithms import losses
-from lit_rlhf.algorithms.experience import policy_forward
+from lit_rlhf.algorithms.experience import frozen_forward, policy_forward
 from lit_rlhf.models.vocabulary import PaddedVocabularyMask
 from lit_rlhf.tasks.digits import builtin_tokenizer
 
@@ -59,17 +58,19 @@ def test_the_loss_log_probs_and_entropy_are_those_of_the_tokenizer_vocabulary():
     rollout = generate(m.actor_critic.policy, prompts, 4, SamplingConfig(max_new_tokens=8), tok.eos_token_id, 0)
     head = m.actor_critic.policy.get_output_embeddings()
     assert any(isinstance(h, PaddedVocabularyMask) for h in head._forward_hooks.values())
-    forward = policy_forward(m.actor_critic, rollout, 0.7)
-    hooks = dict(head._forward_hooks)
-    head._forward_hooks.clear()
-    unmasked = policy_forward(m.actor_critic, rollout, 0.7).logits
-    head._forward_hooks.update(hooks)
-    expected = torch.log_softmax(unmasked[..., :n].float() / 0.7, -1).gather(-1, rollout.response_ids[..., None])
-    torch.testing.assert_close(forward.logprobs, expected.squeeze(-1))
-    entropy = losses.entropy_from_logits(forward.logits, 0.7)
-    torch.testing.assert_close(entropy, losses.entropy_from_logits(unmasked[..., :n], 0.7))
-    kl = losses.full_kl_from_logits(forward.logits, forward.logits, 0.7)
-    assert torch.equal(kl, torch.zeros_like(kl))
+    policy, T = m.actor_critic.policy, rollout.response_ids.shape[1]
+    with torch.no_grad():
+        forward = policy_forward(m.actor_critic, rollout, 0.7, 1024, frozen_forward(policy, rollout))
+        hooks = dict(head._forward_hooks)
+        head._forward_hooks.clear()
+        unmasked = forward_logits(policy, rollout.input_ids(), rollout.attention_mask(), T)  # every id scored
+        head._forward_hooks.update(hooks)
+    assert unmasked.shape[-1] > n
+    valid = rollout.response_mask
+    expected = full_logprobs(unmasked[..., :n], rollout.response_ids, 0.7)
+    torch.testing.assert_close(forward.logprobs[valid], expected[valid].float())
+    torch.testing.assert_close(forward.entropy[valid], full_entropy(unmasked[..., :n], 0.7)[valid].float())
+    assert forward.kl is not None and forward.kl[valid].abs().max() < 1e-6  # against itself
     assert isinstance(m.reference, torch.nn.Module)  # the frozen copy is masked alike
     ref_head = m.reference.get_output_embeddings()
     assert any(isinstance(h, PaddedVocabularyMask) for h in ref_head._forward_hooks.values())

@@ -11,11 +11,13 @@ import torch
 from test_shared_prefill import llama_policy
 from test_shared_prompt_forward import assert_same_outputs, critic_outputs, gpt2, gradients, row_by_row_loss
 
+from conftest import forward_logits
 from lit_rlhf import AlgorithmConfig
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.forward import causal_lm_response_forward, returned_cache
 from lit_rlhf.models.length_groups import cache_rows, length_groups, response_widths
+from lit_rlhf.models.output_head import reads_head
 
 B0, G, P, T, V = 3, 4, 7, 12, 16  # V: the vocabulary of test_shared_prefill's Llama
 WIDTHS = [2, 12, 1, 3, 9, 2, 3, 1, 2, 2, 1, 2]  # per row of `varied_batch` (G rows per prompt): two long
@@ -97,7 +99,7 @@ def test_grouped_forward_gives_the_row_by_row_logits_and_gradients_in_float64(sh
     response_mask = mask[:, -T:, None]
 
     def loss():
-        logits, _ = causal_lm_response_forward(model, ids, mask, T, share_prompts=share, length_groups=4)
+        logits = forward_logits(model, ids, mask, T, share_prompts=share, length_groups=4)
         return (logits * weights * response_mask).sum()
 
     grouped = gradients(model, loss)
@@ -105,8 +107,8 @@ def test_grouped_forward_gives_the_row_by_row_logits_and_gradients_in_float64(sh
     for name, grad in alone.items():
         torch.testing.assert_close(grouped[name], grad, rtol=1e-10, atol=1e-11)
     with torch.no_grad():
-        padded = causal_lm_response_forward(model, ids, mask, T, share_prompts=share)[0]
-        logits = causal_lm_response_forward(model, ids, mask, T, share_prompts=share, length_groups=4)[0]
+        padded = forward_logits(model, ids, mask, T, share_prompts=share)
+        logits = forward_logits(model, ids, mask, T, share_prompts=share, length_groups=4)
     valid = mask[:, -T:].bool()
     torch.testing.assert_close(logits[valid], padded[valid], rtol=1e-12, atol=1e-12)
     short = mask[:, -T:].sum(1) <= 3  # the group cut to 3 columns (`test_each_group_runs_only_to_its_longest_response`)
@@ -117,6 +119,7 @@ def test_grouped_forward_gives_the_row_by_row_logits_and_gradients_in_float64(sh
 def test_each_group_runs_only_to_its_longest_response(share):
     model = gpt2()
     ids, mask = varied_batch()
+    reads_head(model, ids, mask)  # the head's one-row check on a model's first forward, done before counting
     shapes = []
     hook = model.transformer.wte.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     with torch.no_grad():
@@ -152,12 +155,13 @@ def test_a_cache_that_cannot_be_copied_runs_its_responses_padded(monkeypatch):
     model = gpt2()
     ids, mask = varied_batch()
     with torch.no_grad():
-        grouped = causal_lm_response_forward(model, ids, mask, T, share_prompts=True, length_groups=4)[0]
+        grouped = forward_logits(model, ids, mask, T, share_prompts=True, length_groups=4)
     monkeypatch.setattr(grouping, "can_copy_rows", lambda cache: False)
+    reads_head(model, ids, mask)  # the head's one-row check on a model's first forward, done before counting
     shapes = []
     hook = model.transformer.wte.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     with torch.no_grad():
-        padded = causal_lm_response_forward(model, ids, mask, T, share_prompts=True, length_groups=4)[0]
+        padded = forward_logits(model, ids, mask, T, share_prompts=True, length_groups=4)
     hook.remove()
     assert shapes == [(B0, P), (B0 * G, T - 1)]
     valid = mask[:, -T:].bool()

@@ -9,12 +9,19 @@ import statistics
 import pytest
 import torch
 
-from conftest import EOS_ID, PAD_ID, generate, make_policy, prompt_batch
+from conftest import EOS_ID, PAD_ID, forward_logits, generate, make_policy, prompt_batch, response_logits
 from lit_rlhf.algorithms import losses
-from lit_rlhf.algorithms.experience import compute_advantages, make_experience, policy_forward, reference_logits
+from lit_rlhf.algorithms.chunked_logprobs import CHUNK_TOKENS
+from lit_rlhf.algorithms.experience import (
+    compute_advantages,
+    frozen_forward,
+    make_experience,
+    policy_forward,
+    response_stats,
+)
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
 from lit_rlhf.models.actor_critic import ActorCritic
-from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_from_mask
+from lit_rlhf.models.forward import position_ids_from_mask
 from lit_rlhf.models.loading import frozen_copy
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardError, call_reward_fn
@@ -73,7 +80,7 @@ def test_response_logprobs_ignore_left_padding(tiny_policy, n_pad):
 
     ids, mask = left_pad(prompt + response, n_pad)
     with torch.no_grad():
-        logits, _ = causal_lm_response_forward(model, ids, mask, len(response))
+        logits = forward_logits(model, ids, mask, len(response))
     assert logits.shape == (1, len(response), model.config.vocab_size)
     got = torch.log_softmax(logits[0].double(), -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
@@ -89,7 +96,8 @@ def test_actor_critic_logprobs_same_with_and_without_extra_padding(tiny_policy):
         ids = torch.tensor([[PAD_ID] * n_pad + prompt + response])
         mask = torch.tensor([[0] * n_pad + [1] * len(prompt) + resp_mask])
         with torch.no_grad():
-            logits, values = ac(ids, mask, len(response))
+            forward, values = ac(ids, mask, len(response))
+            logits = response_logits(forward)
         logp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor([response])[..., None])[..., 0]
         out.append((logp[0, :3], values[0, :3]))
     torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=0)
@@ -106,7 +114,8 @@ def test_actor_critic_values_read_last_hidden_state_at_p_minus_1_to_p_plus_t_min
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 0]])
     P, T = 5, 3
     with torch.no_grad():
-        logits, values = ac(ids, mask, T)
+        forward, values = ac(ids, mask, T)
+        logits = response_logits(forward)
         # explicit forward through the backbone: its last hidden state is what the LM head reads
         hidden = tiny_policy.transformer(
             input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
@@ -341,9 +350,15 @@ def collect_experience(
     backend = make_backend(BackendContext(actor_critic.policy, eos, pad, sampling))
     settings = RolloutSettings(algo.group_size, sampling, algo.truncated_score)
     rollout, timings = SingleTurnCollector(backend, tokenizer, score, settings).collect(prompts, policy_version)
-    ref_logits = reference_logits(reference, rollout) if reference is not None else None
-    sampling_policy = policy_forward(actor_critic, rollout, sampling.temperature)
-    return make_experience(rollout, algo, sampling_policy, ref_logits, sampling.temperature), timings
+    ref = frozen_forward(reference, rollout) if reference is not None else None
+    exact_kl = ref is not None and algo.kl_estimator == "full"
+    ref_logprobs = None
+    if ref is not None and not exact_kl:
+        ref_logprobs = response_stats(ref, rollout, sampling.temperature, CHUNK_TOKENS, entropy=False).logprobs
+    sampling_policy = policy_forward(
+        actor_critic, rollout, sampling.temperature, CHUNK_TOKENS, ref if exact_kl else None
+    )
+    return make_experience(rollout, algo, sampling_policy, ref_logprobs), timings
 
 
 def decode_by_hand(tok, ids: list[int]) -> str:

@@ -9,12 +9,10 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import EOS_ID, PAD_ID, make_policy, prompt_batch
-from lit_rlhf.algorithms.experience import PolicyForward, make_experience
-from lit_rlhf.algorithms.losses import logprobs_from_logits
+from conftest import EOS_ID, PAD_ID, forward_from_logits, forward_logits, full_logprobs, make_policy, prompt_batch
+from lit_rlhf.algorithms.experience import make_experience
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
-from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.rollout.backends.base import BackendContext
 from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.collect import RolloutSettings
@@ -139,17 +137,17 @@ def test_the_environments_tokens_get_no_gradient(aggregation):
     rollout = hand_rollout()
     model = make_policy()
     algo = AlgorithmConfig(name="grpo", group_size=2, kl_coef=0.1, entropy_coef=0.01, loss_aggregation=aggregation)
-    logits, _ = causal_lm_response_forward(model, rollout.input_ids(), rollout.attention_mask(), 6)
+    logits = forward_logits(model, rollout.input_ids(), rollout.attention_mask(), 6)
     ref_logits = logits.detach() + 0.3 * torch.randn_like(logits)
-    sampling_forward = PolicyForward(logits.detach(), None, logprobs_from_logits(logits.detach(), rollout.response_ids))
-    experience = make_experience(rollout, algo, sampling_forward, ref_logits, 1.0)
+    sampling_forward = forward_from_logits(logits.detach(), rollout.response_ids)
+    experience = make_experience(rollout, algo, sampling_forward, full_logprobs(ref_logits, rollout.response_ids))
     env = rollout.context_mask
     shift = 0.3 * torch.randn_like(logits)
 
     def loss_and_grad(exp):
         leaf = (logits.detach() + shift).requires_grad_(True)  # current != old: the ratio is not 1
-        current = PolicyForward(leaf, None, logprobs_from_logits(leaf, exp.response_ids))
-        loss, _ = ppo_objective(current, exp, algo, MinibatchTotals.of(exp, 6), 1.0)
+        current = forward_from_logits(leaf, exp.response_ids)
+        loss, _ = ppo_objective(current, exp, algo, MinibatchTotals.of(exp, 6))
         loss.backward()
         return loss.detach(), leaf.grad
 
@@ -168,10 +166,10 @@ def test_the_environments_tokens_get_no_gradient(aggregation):
 def test_the_environments_tokens_are_attended():
     rollout = hand_rollout()
     model = make_policy()
-    before, _ = causal_lm_response_forward(model, rollout.input_ids(), rollout.attention_mask(), 6)
+    before = forward_logits(model, rollout.input_ids(), rollout.attention_mask(), 6)
     changed = dataclasses.replace(rollout, response_ids=rollout.response_ids.clone())
     changed.response_ids[0, 1] = 11  # an environment token
-    after, _ = causal_lm_response_forward(model, changed.input_ids(), changed.attention_mask(), 6)
+    after = forward_logits(model, changed.input_ids(), changed.attention_mask(), 6)
     for column in (4, 5):  # the policy's tokens after it (their logits come from positions after column 1)
         assert not torch.allclose(before[0, column], after[0, column])
     assert torch.equal(before[1], after[1])
@@ -188,15 +186,15 @@ def test_the_grids_log_probs_are_those_of_each_conversation_alone(tokenizer):
     assert rollout.context_mask.any()  # some episodes asked
     T = rollout.response_ids.shape[1]
     with torch.no_grad():
-        logits, _ = causal_lm_response_forward(policy, rollout.input_ids(), rollout.attention_mask(), T)
-        grid = logprobs_from_logits(logits, rollout.response_ids)
+        logits = forward_logits(policy, rollout.input_ids(), rollout.attention_mask(), T)
+        grid = full_logprobs(logits, rollout.response_ids)
         for b in range(rollout.batch_size):
             attended = rollout.response_mask[b] | rollout.context_mask[b]
             n = int(attended.sum())
             assert attended[:n].all()  # the conversation is contiguous, then padding
             alone = torch.cat([rollout.prompt_ids[b][rollout.prompt_mask[b].bool()], rollout.response_ids[b, :n]])
-            single, _ = causal_lm_response_forward(policy, alone[None], torch.ones_like(alone)[None], n)
-            expected = logprobs_from_logits(single, rollout.response_ids[b : b + 1, :n])[0]
+            single = forward_logits(policy, alone[None], torch.ones_like(alone)[None], n)
+            expected = full_logprobs(single, rollout.response_ids[b : b + 1, :n])[0]
             policy_cols = rollout.response_mask[b, :n]
             torch.testing.assert_close(grid[b, :n][policy_cols], expected[policy_cols], atol=1e-5, rtol=1e-5)
             assert rollout.response_mask[b, n - 1]  # every conversation ends with a policy token

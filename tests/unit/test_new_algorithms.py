@@ -7,12 +7,14 @@ through a mask would show. B = 3 rows of lengths 4, 2, 3 on a T = 4 grid.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 
 import pytest
 import torch
 
+from conftest import forward_from_logits
 from lit_rlhf.algorithms import losses as L
 from lit_rlhf.algorithms.experience import PolicyForward, compute_advantages, make_experience, shaping_metrics
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
@@ -59,7 +61,7 @@ def algo(**overrides) -> AlgorithmConfig:
 
 def forward(new=NEW) -> PolicyForward:
     logits = torch.randn(B, T, V, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    return PolicyForward(logits, None, grid(new, 4.0).requires_grad_(True))
+    return forward_from_logits(logits, torch.zeros(B, T, dtype=torch.long), grid(new, 4.0).requires_grad_(True))
 
 
 # ----------------------------------------------------------------------------- GSPO
@@ -104,7 +106,7 @@ def hand_gspo_loss(eps_low: float, eps_high: float) -> float:
 def test_gspo_loss_with_sequence_clipping_matches_hand_formula():
     cfg = algo(ratio_level="sequence", loss_aggregation="seq_mean_token_mean")
     current = forward()
-    loss, stats = ppo_objective(current, experience(), cfg, MinibatchTotals.of(experience(), 8), 1.0)
+    loss, stats = ppo_objective(current, experience(), cfg, MinibatchTotals.of(experience(), 8))
     assert float(loss.detach()) == pytest.approx(hand_gspo_loss(3e-4, 4e-4), rel=1e-9)
     # row 0: s = e^0.000375 < 1 + 4e-4 with A > 0; row 1: s = e^0.2 with A < 0 (the max takes -A s); row 2:
     # s = e^-0.00001 > 1 - 3e-4: none is clipped. With clip_eps_high = 1e-4 row 0 is.
@@ -113,7 +115,7 @@ def test_gspo_loss_with_sequence_clipping_matches_hand_formula():
     # the clipped branch of a sequence stops the gradient of all its tokens
     cfg_tight = algo(ratio_level="sequence", loss_aggregation="seq_mean_token_mean", clip_eps_high=1e-4)
     current_tight = forward()
-    loss_t, stats_t = ppo_objective(current_tight, experience(), cfg_tight, MinibatchTotals.of(experience(), 8), 1.0)
+    loss_t, stats_t = ppo_objective(current_tight, experience(), cfg_tight, MinibatchTotals.of(experience(), 8))
     assert float(loss_t.detach()) == pytest.approx(hand_gspo_loss(3e-4, 1e-4), rel=1e-9)
     loss_t.backward()
     assert current_tight.logprobs.grad[0].abs().max() == 0  # row 0: s = 1.000375 > 1 + 1e-4 with A > 0
@@ -127,7 +129,7 @@ def test_gspo_and_gspo_token_gradients_agree_with_sequence_advantages():
     for level in ("sequence", "sequence_token"):
         cfg = algo(ratio_level=level, loss_aggregation="seq_mean_token_mean", clip_eps_low=1.0, clip_eps_high=1.0)
         current = forward()
-        loss, _ = ppo_objective(current, experience(), cfg, MinibatchTotals.of(experience(), 8), 1.0)
+        loss, _ = ppo_objective(current, experience(), cfg, MinibatchTotals.of(experience(), 8))
         loss.backward()
         grads[level] = current.logprobs.grad
     torch.testing.assert_close(grads["sequence"], grads["sequence_token"], rtol=1e-12, atol=1e-15)
@@ -144,14 +146,14 @@ def test_micro_batches_give_the_minibatch_gradient(level, aggregation):
     cfg = algo(ratio_level=level, loss_aggregation=aggregation, clip_eps_high=1e-4)
     exp = experience()
     whole = forward()
-    loss, _ = ppo_objective(whole, exp, cfg, MinibatchTotals.of(exp, 6), 1.0)
+    loss, _ = ppo_objective(whole, exp, cfg, MinibatchTotals.of(exp, 6))
     loss.backward()
     pieces = forward()
     totals = MinibatchTotals.of(exp, 6)
     for rows in ([0, 2], [1]):
         idx = torch.tensor(rows)
-        piece = PolicyForward(pieces.logits[idx], None, pieces.logprobs[idx])
-        ppo_objective(piece, exp.select(idx), cfg, totals, 1.0)[0].backward()
+        piece = dataclasses.replace(pieces, logprobs=pieces.logprobs[idx], entropy=pieces.entropy[idx])
+        ppo_objective(piece, exp.select(idx), cfg, totals)[0].backward()
     torch.testing.assert_close(pieces.logprobs.grad, whole.logprobs.grad, rtol=1e-12, atol=1e-15)
     assert whole.logprobs.grad.abs().sum() > 0
 
@@ -263,7 +265,7 @@ def test_top_entropy_mask_hand_example_with_ties_and_padding():
     assert not L.top_entropy_mask(entropy, torch.zeros_like(MASK), 0.5).any()
 
 
-def rollout_for_entropy() -> tuple[Rollout, PolicyForward]:
+def rollout_for_entropy() -> tuple[Rollout, PolicyForward, torch.Tensor]:
     rollout = Rollout(
         prompt_ids=torch.zeros(B, 2, dtype=torch.long),
         prompt_mask=torch.ones(B, 2, dtype=torch.long),
@@ -273,18 +275,18 @@ def rollout_for_entropy() -> tuple[Rollout, PolicyForward]:
         scores=torch.tensor([1.0, 0.0, 0.5]),
     )
     logits = torch.randn(B, T, V, generator=torch.Generator().manual_seed(7)) * 3
-    return rollout, PolicyForward(logits, None, torch.zeros(B, T))
+    return rollout, forward_from_logits(logits, rollout.response_ids, temperature=2.0), logits
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_make_experience_keeps_the_top_entropy_tokens_of_the_rollout(mask_truncated):
-    rollout, policy = rollout_for_entropy()
+    rollout, policy, logits = rollout_for_entropy()  # the forward's entropy at temperature 2
     cfg = algo(name="grpo", group_size=3, entropy_top_fraction=0.5, mask_truncated=mask_truncated)
-    exp = make_experience(rollout, cfg, policy, None, temperature=2.0)
+    exp = make_experience(rollout, cfg, policy, None)
     candidates = [(b, t) for b, n in enumerate(LENGTHS) for t in range(n) if not (mask_truncated and b == 2)]
 
     def entropy(b: int, t: int) -> float:
-        p = torch.softmax(policy.logits[b, t].double() / 2.0, -1).tolist()
+        p = torch.softmax(logits[b, t].double() / 2.0, -1).tolist()
         return -sum(q * math.log(q) for q in p)
 
     ranked = sorted(candidates, key=lambda bt: -entropy(*bt))

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from conftest import forward_from_logits
 from lit_rlhf.algorithms.experience import PolicyForward
 from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig
@@ -73,9 +74,15 @@ def algo(**overrides) -> AlgorithmConfig:
     return AlgorithmConfig(**{**settings, **overrides})
 
 
-def run(current: PolicyForward, cfg: AlgorithmConfig, exp: Experience | None = None, temperature=1.0, ref_logits=None):
+def policy(logits, values, logprobs, temperature=1.0, ref_logits=None, rows=slice(None)) -> PolicyForward:
+    """The forward `ppo_objective` reads: its entropy (and with `ref_logits` the exact KL) from `logits` (b, T, V)
+    at the temperature (the rows `rows` of the grid)."""
+    return forward_from_logits(logits, RESPONSE_IDS[rows], logprobs, values, temperature, ref_logits)
+
+
+def run(current: PolicyForward, cfg: AlgorithmConfig, exp: Experience | None = None):
     exp = experience() if exp is None else exp
-    return ppo_objective(current, exp, cfg, MinibatchTotals.of(exp, MAX_NEW), temperature, ref_logits)
+    return ppo_objective(current, exp, cfg, MinibatchTotals.of(exp, MAX_NEW))
 
 
 def sampled_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -115,7 +122,7 @@ def per_token(fn, *rows):
 
 
 def test_token_mean_clipped_policy_loss_and_stats():
-    loss, stats = run(PolicyForward(LOGITS, None, grid(NEW, 5.0)), algo())
+    loss, stats = run(policy(LOGITS, None, grid(NEW, 5.0)), algo())
     per_loss, clipped = hand_policy(NEW)
     assert float(loss) == pytest.approx(token_mean(per_loss), rel=1e-12)
     assert stats["policy/loss"] == pytest.approx(token_mean(per_loss), rel=1e-12)
@@ -128,7 +135,7 @@ def test_token_mean_clipped_policy_loss_and_stats():
 
 def test_clipped_value_loss_weighted_by_vf_coef():
     cfg = algo(name="ppo", value_clip=0.2, vf_coef=0.5)
-    loss, stats = run(PolicyForward(LOGITS, grid(VALUES, -50.0), grid(NEW, 5.0)), cfg)
+    loss, stats = run(policy(LOGITS, grid(VALUES, -50.0), grid(NEW, 5.0)), cfg)
 
     def value_loss(v, v_old, ret):
         v_clipped = v_old + min(max(v - v_old, -0.2), 0.2)
@@ -145,7 +152,7 @@ def test_clipped_value_loss_weighted_by_vf_coef():
 
 def test_k3_kl_in_the_loss():
     cfg = algo(kl_coef=0.04, kl_estimator="k3", kl_in_reward=False)
-    loss, stats = run(PolicyForward(LOGITS, None, grid(NEW, 5.0)), cfg)
+    loss, stats = run(policy(LOGITS, None, grid(NEW, 5.0)), cfg)
     expected_kl = token_mean(per_token(lambda n, ref: math.exp(ref - n) - (ref - n) - 1, NEW, REF))
     assert stats["policy/kl_loss"] == pytest.approx(expected_kl, rel=1e-10)
     assert float(loss) == pytest.approx(token_mean(hand_policy(NEW)[0]) + 0.04 * expected_kl, rel=1e-12)
@@ -154,7 +161,7 @@ def test_k3_kl_in_the_loss():
 def test_full_kl_in_the_loss_from_logits():
     cfg = algo(kl_coef=0.04, kl_estimator="full", kl_in_reward=False)
     new = sampled_logprobs(LOGITS, 1.0)
-    loss, stats = run(PolicyForward(LOGITS, None, new), cfg, ref_logits=REF_LOGITS)
+    loss, stats = run(policy(LOGITS, None, new, ref_logits=REF_LOGITS), cfg)
     kl = []
     for b, n in enumerate(LENGTHS):
         kl.append([])
@@ -164,14 +171,14 @@ def test_full_kl_in_the_loss_from_logits():
             kl[-1].append(sum(math.exp(p) * (p - q) for p, q in zip(logp, logq)))
     assert stats["policy/kl_loss"] == pytest.approx(token_mean(kl), rel=1e-6)
     assert float(loss) == pytest.approx(token_mean(hand_policy(ragged(new))[0]) + 0.04 * token_mean(kl), rel=1e-6)
-    with pytest.raises(ValueError, match="reference's logits"):
-        run(PolicyForward(LOGITS, None, new), cfg)
+    with pytest.raises(ValueError, match="the exact KL needs a policy forward given the reference's"):
+        run(policy(LOGITS, None, new), cfg)
 
 
 def test_entropy_bonus_at_the_sampling_temperature():
     new = sampled_logprobs(LOGITS, 0.7)
     old = per_token(lambda n, d: n - d, ragged(new), LOG_RATIO)
-    loss, stats = run(PolicyForward(LOGITS, None, new), algo(entropy_coef=0.01), experience(old), temperature=0.7)
+    loss, stats = run(policy(LOGITS, None, new, 0.7), algo(entropy_coef=0.01), experience(old))
     entropy = []
     for b, n in enumerate(LENGTHS):
         logps = [hand_log_softmax(LOGITS[b, t].tolist(), 0.7) for t in range(n)]
@@ -189,7 +196,7 @@ def test_entropy_bonus_at_the_sampling_temperature():
     ],
 )
 def test_sequence_aggregations(aggregation, reduce):
-    loss, stats = run(PolicyForward(LOGITS, None, grid(NEW, 5.0)), algo(loss_aggregation=aggregation))
+    loss, stats = run(policy(LOGITS, None, grid(NEW, 5.0)), algo(loss_aggregation=aggregation))
     assert float(loss) == pytest.approx(reduce(hand_policy(NEW)[0]), rel=1e-12)
     # the token-share statistics stay token means whatever the loss aggregation
     assert stats["policy/clipfrac"] == pytest.approx(4 / 9, rel=1e-6)
@@ -200,16 +207,16 @@ def test_micro_batches_add_up_to_the_minibatch(aggregation):
     cfg = algo(
         name="ppo", kl_coef=0.05, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.01, loss_aggregation=aggregation
     )
-    whole_exp, current = experience(), PolicyForward(LOGITS, grid(VALUES, -50.0), grid(NEW, 5.0))
+    whole_exp, current = experience(), policy(LOGITS, grid(VALUES, -50.0), grid(NEW, 5.0))
     whole_loss, whole_stats = run(current, cfg)
     totals = MinibatchTotals.of(whole_exp, MAX_NEW)
     shared, own = [], []
     for rows in ([0], [1, 2]):
         idx = torch.tensor(rows)
         piece = whole_exp.select(idx)
-        piece_current = PolicyForward(current.logits[idx], current.values[idx], current.logprobs[idx])
-        shared.append(ppo_objective(piece_current, piece, cfg, totals, 1.0))
-        own.append(ppo_objective(piece_current, piece, cfg, MinibatchTotals.of(piece, MAX_NEW), 1.0))
+        piece_current = policy(LOGITS[idx], current.values[idx], current.logprobs[idx], rows=idx)
+        shared.append(ppo_objective(piece_current, piece, cfg, totals))
+        own.append(ppo_objective(piece_current, piece, cfg, MinibatchTotals.of(piece, MAX_NEW)))
     assert sum(float(loss) for loss, _ in shared) == pytest.approx(float(whole_loss), rel=1e-6)
     assert set(shared[0][1]) == set(whole_stats)
     for key, value in whole_stats.items():
@@ -221,7 +228,7 @@ def test_micro_batches_add_up_to_the_minibatch(aggregation):
 
 def test_gradient_at_ratio_one_is_minus_advantage_over_tokens():
     logprobs = grid(OLD, -5.0).requires_grad_(True)  # current == old everywhere, padding included
-    loss, stats = run(PolicyForward(LOGITS, None, logprobs), algo())
+    loss, stats = run(policy(LOGITS, None, logprobs), algo())
     loss.backward()
     assert stats["policy/clipfrac"] == 0.0
     expected = grid([[-a / 9 for a in row] for row in ADV], 0.0)  # 9 valid tokens, none through padding

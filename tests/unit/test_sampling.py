@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import generate
-from lit_rlhf.algorithms import losses
+from conftest import forward_logits, full_logprobs, generate
 from lit_rlhf.config import ConfigError, SamplingConfig
-from lit_rlhf.models.forward import causal_lm_response_forward, position_ids_from_mask
+from lit_rlhf.models.forward import position_ids_from_mask
 from lit_rlhf.rollout.sampler import mask_logits, sample
 from lit_rlhf.tasks.digits import builtin_policy, builtin_tokenizer
 from lit_rlhf.types import PromptBatch
@@ -100,8 +99,8 @@ def test_reported_logprobs_match_a_fresh_forward(policy, tokenizer):
     ids = torch.cat([batch.input_ids, out.response_ids], 1)
     attention = torch.cat([batch.attention_mask, mask.long()], 1)
     T = out.response_ids.shape[1]
-    logits, _ = causal_lm_response_forward(policy, ids, attention, T)
-    fresh = losses.logprobs_from_logits(logits, out.response_ids, 0.7)
+    logits = forward_logits(policy, ids, attention, T)
+    fresh = full_logprobs(logits, out.response_ids, 0.7).float()
     assert torch.allclose(out.logprobs[mask], fresh[mask], atol=1e-5), (out.logprobs[mask] - fresh[mask]).abs().max()
     assert (out.logprobs[mask] <= 0).all()
 

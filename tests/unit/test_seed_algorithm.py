@@ -5,10 +5,9 @@ import math
 
 import torch
 
-from conftest import make_policy, prompt_batch
+from conftest import forward_logits, make_policy, prompt_batch, response_logits
 from lit_rlhf import AlgorithmConfig, RLHFModule, SamplingConfig
 from lit_rlhf.algorithms.objective import MinibatchTotals
-from lit_rlhf.models.forward import causal_lm_response_forward
 
 SEED_SETTINGS = dict(
     name="ppo",
@@ -42,7 +41,8 @@ def test_seed_settings_give_plain_ratio_loss_plus_value_mse(tokenizer):
 
     # by hand, token by token: new log-probs and values from a plain forward of each sequence
     with torch.no_grad():
-        logits, values = module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
+        forward, values = module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
+        logits = response_logits(forward)
     total, count = 0.0, 0
     for b in range(exp.batch_size):
         for t in range(exp.response_ids.shape[1]):
@@ -71,10 +71,10 @@ def test_seed_rewards_use_the_exact_kl_over_the_vocabulary(tokenizer):
             p.add_(0.1 * torch.randn_like(p))
     exp = module.make_experience(module.make_rollout(prompt_batch(tokenizer, ["312>", "9051>"]))[0])[0]
     with torch.no_grad():
-        logits, _ = module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
-        ref_logits, _ = causal_lm_response_forward(
-            module.reference, exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1]
+        logits = response_logits(
+            module.actor_critic(exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])[0]
         )
+        ref_logits = forward_logits(module.reference, exp.input_ids(), exp.attention_mask(), exp.response_ids.shape[1])
     b, t = 0, 0
     p = torch.softmax(logits[b, t].double(), 0)
     q = torch.softmax(ref_logits[b, t].double(), 0)

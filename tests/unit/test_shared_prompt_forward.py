@@ -8,12 +8,13 @@ import torch
 from test_shared_prefill import llama_policy
 from torch import nn
 
-from conftest import make_policy, prompt_batch
+from conftest import forward_logits, make_policy, prompt_batch, response_logits
 from lit_rlhf import AlgorithmConfig, RLHFModule, SamplingConfig
 from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.forward import causal_lm_response_forward, distinct_prompts
+from lit_rlhf.models.output_head import reads_head
 
 B0, G, P, T, V = 3, 4, 9, 6, 16  # V: the vocabulary of test_shared_prefill's Llama
 
@@ -75,9 +76,7 @@ def test_shared_forward_gives_the_plain_logits_and_gradients_exactly_in_float64(
     response_mask = mask[:, -T:, None]
 
     def loss(share):
-        return lambda: (
-            causal_lm_response_forward(model, ids, mask, T, share_prompts=share)[0] * weights * response_mask
-        ).sum()
+        return lambda: (forward_logits(model, ids, mask, T, share_prompts=share) * weights * response_mask).sum()
 
     plain, shared = gradients(model, loss(False)), gradients(model, loss(True))
     alone = gradients(model, lambda: row_by_row_loss(model, ids, mask, weights))
@@ -85,8 +84,8 @@ def test_shared_forward_gives_the_plain_logits_and_gradients_exactly_in_float64(
         torch.testing.assert_close(plain[name], grad, rtol=1e-10, atol=1e-11)
         torch.testing.assert_close(shared[name], grad, rtol=1e-10, atol=1e-11)
     with torch.no_grad():
-        a = causal_lm_response_forward(model, ids, mask, T, share_prompts=False)[0]
-        b = causal_lm_response_forward(model, ids, mask, T, share_prompts=True)[0]
+        a = forward_logits(model, ids, mask, T, share_prompts=False)
+        b = forward_logits(model, ids, mask, T, share_prompts=True)
     valid = mask[:, -T:].bool()
     torch.testing.assert_close(b[valid], a[valid], rtol=1e-12, atol=1e-12)
 
@@ -94,6 +93,7 @@ def test_shared_forward_gives_the_plain_logits_and_gradients_exactly_in_float64(
 def test_each_distinct_prompt_goes_through_the_model_once():
     model = gpt2()
     ids, mask = grouped_batch()
+    reads_head(model, ids, mask)  # the head's one-row check on a model's first forward, done before counting
     rows_seen = []
     hook = model.transformer.wte.register_forward_hook(lambda m, args, out: rows_seen.append(tuple(args[0].shape)))
     with torch.no_grad():
@@ -117,7 +117,8 @@ def critic_outputs(model, ids, mask, response_len):
     """An actor-critic's logits (B, T, V), values (B, T) and the parameter gradients of the sum over the response
     tokens of logsumexp(logits) + value."""
     model.zero_grad(set_to_none=True)
-    logits, values = model(ids, mask, response_len)
+    forward, values = model(ids, mask, response_len)
+    logits = response_logits(forward)
     ((logits.float().logsumexp(-1) + values) * mask[:, -response_len:]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), values.detach(), grads
@@ -137,8 +138,8 @@ def test_a_one_token_response_uses_the_prompt_forward_alone():
     ids, mask = grouped_batch()
     ids, mask = ids[:, : P + 1], mask[:, : P + 1]
     with torch.no_grad():
-        a = causal_lm_response_forward(model, ids, mask, 1)[0]
-        b = causal_lm_response_forward(model, ids, mask, 1, share_prompts=True)[0]
+        a = forward_logits(model, ids, mask, 1)
+        b = forward_logits(model, ids, mask, 1, share_prompts=True)
     torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
@@ -147,9 +148,10 @@ def test_gradient_checkpointing_keeps_the_plain_forward():
     model.gradient_checkpointing_enable()
     model.train()
     ids, mask = grouped_batch()
+    reads_head(model, ids, mask)  # the head's one-row check on a model's first forward, done before counting
     rows_seen = []
     hook = model.transformer.wte.register_forward_hook(lambda m, args, out: rows_seen.append(args[0].shape[0]))
-    causal_lm_response_forward(model, ids, mask, T, share_prompts=True)[0].sum().backward()
+    forward_logits(model, ids, mask, T, share_prompts=True).sum().backward()
     hook.remove()
     assert rows_seen[0] == B0 * G  # transformers turns the cache off under checkpointing: no sharing
 
@@ -161,6 +163,9 @@ class NoCacheLM(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(V, 8)
         self.head = nn.Linear(8, V)
+
+    def get_output_embeddings(self):
+        return self.head
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, output_hidden_states=False):
         from types import SimpleNamespace
@@ -234,7 +239,7 @@ def test_the_lora_reference_shares_prompts_through_the_base_models_cache_keyword
     ids, mask = grouped_batch()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # no deprecated keyword on the way
-        plain = causal_lm_response_forward(reference, ids, mask, T)[0]
-        shared = causal_lm_response_forward(reference, ids, mask, T, share_prompts=True)[0]
+        plain = forward_logits(reference, ids, mask, T)
+        shared = forward_logits(reference, ids, mask, T, share_prompts=True)
     valid = mask[:, -T:].bool()
     torch.testing.assert_close(shared[valid], plain[valid], rtol=1e-5, atol=1e-5)

@@ -135,7 +135,7 @@ def test_the_in_process_samplers_log_probs_are_the_trainers(tokenizer):
     rollout, _ = module.make_rollout(batch)
     assert torch.equal(rollout.response_ids, out.response_ids)  # the same draws (pad after EOS either way)
     with torch.no_grad():
-        trainer = policy_forward(module.actor_critic.eval(), rollout, 1.0).logprobs
+        trainer = policy_forward(module.actor_critic.eval(), rollout, 1.0, 1024).logprobs
     mask = rollout.response_mask
     torch.testing.assert_close(trainer[mask], out.logprobs[mask], atol=1e-5, rtol=0)
     assert rollout.sampler_logprobs is None and sampler_metrics(module.make_experience(rollout)[0]) == {}

@@ -18,9 +18,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed in this environment (docs/vllm.md)")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the colocated engine in the test process
 
+from conftest import forward_logits, full_logprobs
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.algorithms.losses import logprobs_from_logits
-from lit_rlhf.models.forward import causal_lm_response_forward
 from lit_rlhf.rollout.backends.base import BackendContext
 from lit_rlhf.rollout.backends.registry import make_backend
 from lit_rlhf.rollout.backends.vllm_common import VLLMError
@@ -75,8 +74,8 @@ def largest_gap(policy, gen: Generation) -> float:
     ids = torch.cat([gen.prompt_ids, gen.response_ids], 1)
     mask = torch.cat([gen.prompt_mask, gen.response_mask.long()], 1)
     with torch.no_grad():
-        logits, _ = causal_lm_response_forward(policy, ids, mask, gen.response_ids.shape[1], False, False)
-    ours = logprobs_from_logits(logits, gen.response_ids, 1.0)
+        logits = forward_logits(policy, ids, mask, gen.response_ids.shape[1])
+    ours = full_logprobs(logits, gen.response_ids, 1.0).float()
     assert gen.logprobs is not None
     return float((ours - gen.logprobs).abs()[gen.response_mask].max())
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from lit_rlhf.config import ConfigError, SamplingConfig, VLLMConfig
 from lit_rlhf.models.actor_critic import eval_mode
-from lit_rlhf.models.forward import response_logits
+from lit_rlhf.models.forward import response_positions
 from lit_rlhf.rollout.backends.vllm_common import (
     VLLMError,
     plain_model,
@@ -187,7 +187,7 @@ class VLLMServerBackend:
         served = torch.tensor([answer["prompt_logprobs"][i][str(probe[i])]["logprob"] for i in range(1, len(probe))])
         ids = torch.tensor([probe], device=self.device)
         with eval_mode(policy):
-            logits = response_logits(policy(input_ids=ids).logits.float(), 1)  # (1, 11, V)
+            logits = response_positions(policy(input_ids=ids).logits.float(), 1)  # (1, 11, V)
         ours = torch.log_softmax(logits, dim=-1)[0].gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()
         gap = float((served - ours).abs().mean())
         if gap > PROBE_TOLERANCE:
