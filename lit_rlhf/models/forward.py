@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lit_rlhf.algorithms.chunked_logprobs import Head
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models import length_groups as grouping
-from lit_rlhf.models.output_head import base_model, capture_head_input, reads_head
+from lit_rlhf.models.output_head import HeadUse, base_model, capture_head_input, reads_head
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -110,25 +110,21 @@ def causal_lm_response_forward(
     `length_groups` > 1: rows of similar response length run in up to that many groups, each cut to its longest
     response (`lit_rlhf.models.length_groups`); a group's columns after its width are then 0, not computed.
     """
-    skip_head = not head or reads_head(model, input_ids, attention_mask)
+    use: HeadUse = "hidden" if not head else "read" if reads_head(model, input_ids, attention_mask) else "logits"
     groups = response_groups(attention_mask, response_len, length_groups)
     if share_prompts and can_share_prompts(model, input_ids, response_len):
         prompt_len = input_ids.shape[1] - response_len
         distinct = distinct_prompts(input_ids[:, :prompt_len], attention_mask[:, :prompt_len])
         if distinct[0].shape[0] < input_ids.shape[0]:  # some prompt repeats
-            return shared_prompt_response_forward(
-                model, input_ids, attention_mask, response_len, distinct, skip_head, groups
-            )
+            return shared_prompt_response_forward(model, input_ids, attention_mask, response_len, distinct, use, groups)
     if groups is None:
-        return plain_response_forward(model, input_ids, attention_mask, response_len, skip_head)
+        return plain_response_forward(model, input_ids, attention_mask, response_len, use)
     P = input_ids.shape[1] - response_len
     parts = []
     for rows, width in groups:
         mask = attention_mask[rows, : P + width]
         first = int(mask[:, :P].any(0).long().argmax())  # the prompt columns before it are padding in every row
-        parts.append(
-            plain_response_forward(model, input_ids[rows, first : P + width], mask[:, first:], width, skip_head)
-        )
+        parts.append(plain_response_forward(model, input_ids[rows, first : P + width], mask[:, first:], width, use))
     return scattered(parts, groups, input_ids.shape[0], response_len)
 
 
@@ -151,10 +147,10 @@ def scattered(
     return ResponseForward(hidden, parts[0].head, grouping.scatter_rows(logits, groups, batch, response_len))
 
 
-def model_call(model: nn.Module, skip_head: bool, **kwargs: Any) -> tuple[Any, ResponseForward]:
+def model_call(model: nn.Module, use: HeadUse, **kwargs: Any) -> tuple[Any, ResponseForward]:
     """`model(**kwargs)` with the head's input caught: its output and (hidden (b, k, H), head, logits (b, k, V) or
-    None) over the positions it kept; `skip_head`: the head runs on nothing, so no logits are built."""
-    with capture_head_input(model, skip_head) as caught:
+    None) over the positions it kept, as `use` asks (`output_head.HeadUse`)."""
+    with capture_head_input(model, skip=use != "logits", read=use == "read") as caught:
         out = model(**kwargs)
     if caught.hidden is None:
         raise ConfigError(
@@ -162,14 +158,14 @@ def model_call(model: nn.Module, skip_head: bool, **kwargs: Any) -> tuple[Any, R
             "get_output_embeddings() returns, so its LM head's input cannot be read; lit_rlhf needs a transformers "
             "causal LM (or a model whose get_output_embeddings() is the layer that computes its logits)"
         )
-    if caught.skipped:
-        head = caught.head if isinstance(caught.head, Head) else Head(None)  # a critic: the head is never used
-        return out, ResponseForward(caught.hidden, head)
-    return out, ResponseForward(caught.hidden, Head(None), out.logits)
+    if use == "logits":
+        return out, ResponseForward(caught.hidden, Head(None), out.logits)
+    head = caught.head if isinstance(caught.head, Head) else Head(None)  # 'hidden': a critic never uses it
+    return out, ResponseForward(caught.hidden, head)
 
 
 def plain_response_forward(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, skip_head: bool
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_len: int, use: HeadUse
 ) -> ResponseForward:
     """`causal_lm_response_forward`'s contract in one forward over every row's prompt and response."""
     kwargs: dict[str, Any] = dict(
@@ -180,7 +176,7 @@ def plain_response_forward(
     )
     if accepts_argument(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = response_len + 1
-    _, caught = model_call(model, skip_head, **kwargs)
+    _, caught = model_call(model, use, **kwargs)
     kept = caught.hidden.shape[1] - response_len  # 1 when logits_to_keep worked, P otherwise
     logits = response_positions(caught.logits, kept, response_len) if caught.logits is not None else None
     return ResponseForward(response_positions(caught.hidden, kept, response_len), caught.head, logits)
@@ -219,7 +215,7 @@ def shared_prompt_response_forward(
     attention_mask: Tensor,
     response_len: int,
     distinct: tuple[Tensor, Tensor, Tensor],
-    skip_head: bool = True,
+    use: HeadUse = "read",
     groups: list[tuple[Tensor, int]] | None = None,
 ) -> ResponseForward:
     """`causal_lm_response_forward`'s contract with each distinct prompt run once.
@@ -229,7 +225,7 @@ def shared_prompt_response_forward(
     run). `groups`: (rows, width) of `response_groups`, each run over its own copy of the prompts' cache rows and
     cut to its width; None: all rows at once over the cache itself.
     """
-    prefix = PromptPrefix.of(model, distinct, skip_head)
+    prefix = PromptPrefix.of(model, distinct, use)
     if groups is not None and not grouping.can_copy_rows(prefix.cache):
         groups = None  # a cache of another kind: one group as wide as the grid (the same outputs, padded)
     if groups is None:
@@ -244,20 +240,20 @@ def shared_prompt_response_forward(
 @dataclass
 class PromptPrefix:
     """The distinct prompts' forward: their KV cache (U rows), the outputs at their last position (U, 1, ...),
-    which predict response token 0, each batch row's prompt, `inverse` (B,), and whether the head is skipped."""
+    which predict response token 0, each batch row's prompt, `inverse` (B,), and what the forward needs of the head."""
 
     cache: Any
     last: ResponseForward
     inverse: Tensor
-    skip_head: bool
+    use: HeadUse
 
     @classmethod
-    def of(cls, model: nn.Module, distinct: tuple[Tensor, Tensor, Tensor], skip_head: bool) -> PromptPrefix:
+    def of(cls, model: nn.Module, distinct: tuple[Tensor, Tensor, Tensor], use: HeadUse) -> PromptPrefix:
         ids, mask, inverse = distinct  # (U, P), (U, P), (B,)
         keep_last = {"logits_to_keep": 1} if accepts_argument(model, "logits_to_keep") else {}
         out, caught = model_call(
             model,
-            skip_head,
+            use,
             input_ids=ids,
             attention_mask=mask,
             position_ids=position_ids_from_mask(mask),
@@ -272,7 +268,7 @@ class PromptPrefix:
                 "false"
             )
         logits = caught.logits[:, -1:] if caught.logits is not None else None
-        return cls(cache, ResponseForward(caught.hidden[:, -1:], caught.head, logits), inverse, skip_head)
+        return cls(cache, ResponseForward(caught.hidden[:, -1:], caught.head, logits), inverse, use)
 
 
 def responses_after_prompts(
@@ -303,7 +299,7 @@ def responses_after_prompts(
         return ResponseForward(hidden, first.head, logits)
     _, rest = model_call(
         model,
-        prefix.skip_head,
+        prefix.use,
         input_ids=input_ids[:, P : P + width - 1],  # (b, width-1)
         attention_mask=attention_mask[:, : P + width - 1],
         position_ids=position_ids_from_mask(attention_mask[:, : P + width - 1])[:, P:],

@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -126,35 +126,39 @@ def _lora_head(module: nn.Module) -> tuple[Tensor, Tensor | None] | str:
 @dataclass
 class HeadInput:
     """What `capture_head_input` caught: the head's input (b, k, H), and the head at that moment (or why it
-    cannot be read). `skipped`: the head ran on an empty slice, so the forward's own logits are empty."""
+    cannot be read, or None when not read)."""
 
     hidden: Tensor | None = None
     head: Head | str | None = None
-    skipped: bool = False
+
+
+HeadUse = Literal["read", "logits", "hidden"]
+"""What a forward needs of the LM head: 'read': its input and the head read off it, the head skipped (the chunked
+log-probs); 'logits': the model's own logits (and the input, for a value head); 'hidden': its input only (a
+critic's backbone), the head skipped and not read."""
 
 
 @contextlib.contextmanager
-def capture_head_input(model: nn.Module, skip: bool) -> Iterator[HeadInput]:
-    """For the forwards inside the block, keep the LM head's input and the head (the last call's); with `skip`,
-    the head runs on an empty slice of its input (no logits are built). A model without a head module yields an
-    empty `HeadInput`."""
+def capture_head_input(model: nn.Module, skip: bool, read: bool = True) -> Iterator[HeadInput]:
+    """For the forwards inside the block, keep the LM head's input and, with `read`, the head (the last call's);
+    with `skip`, the head runs on an empty slice of its input (no logits are built). A model without a head module
+    yields an empty `HeadInput`."""
     caught = HeadInput()
     module = output_module(model)
     if module is None:
         yield caught
         return
     scale, softcap = logit_transform(model)
-    sharded = is_sharded(model)
+    sharded = read and is_sharded(model)
 
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         hidden = args[0] if args else kwargs["input"]
-        head = read_head(module, scale, softcap)
+        head = read_head(module, scale, softcap) if read else None
         if sharded and isinstance(head, Head):
             head = kept_after_reshard(head)
         caught.hidden, caught.head = hidden, head
         if not skip:
             return None
-        caught.skipped = True
         empty = hidden[..., :0, :]  # (b, 0, H): the head builds no logits
         return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
 
