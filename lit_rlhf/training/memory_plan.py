@@ -7,8 +7,15 @@ task's builder for `builtin:<task>`), so parameters are counted exactly and no w
   with adapters disabled; none when `kl_coef` is 0) and the reward model, in the models' dtype (`bf16-true` /
   `16-true` precision: 2 bytes);
 - gradients (the trainable parameters' dtype) and AdamW's two fp32 states per trainable parameter;
-- the activations one micro-batch keeps for backward (`activation_bytes`, formula below) and the reference's
-  logits over the rollout's responses (phase 3);
+- the activations one micro-batch keeps for backward (`activation_bytes`, formula below), with the shared-prompt
+  forward's per-row copies of the prompts' keys and values (`prompt_kv_bytes`);
+- the log-probs, entropy and exact KL come from the LM head's input in blocks (`chunked_logprobs.head_stats`): no
+  (rows, tokens, vocabulary) logits tensor exists, only a workspace of a few float32 blocks of
+  min(tokens, `logit_chunk_tokens`) x min(vocabulary, `VOCAB_SLICE`) (`logit_workspace_bytes`), and when the
+  head trains, the zero gradient of its weight the backward starts with (and with tied embeddings, the
+  embedding's own gradient of the same size before the two are summed);
+- sampling computes the last position's logits only: a few (rows, vocabulary) float32 tensors per step
+  (`sampling_logit_bytes`);
 - the rollout's KV cache: (batch_size x group_size) rows of (max_prompt_length + max_new_tokens) tokens, 2 x
   layers x kv_heads x head_dim values each;
 - under FSDP (`ModelParallelStrategy`, `FSDPStrategy`) the sharded models' weights, gradients and optimizer
@@ -21,8 +28,13 @@ task's builder for `builtin:<task>`), so parameters are counted exactly and no w
   copy of the policy each weight sync builds. A vLLM server elsewhere takes nothing here.
 
 The peak is `weights + optimizer + max(rollout, update)`: the KV cache is freed before the update, and the
-gradients are set to None after each optimizer step, so they never meet the KV cache; within the update, backward
-frees the activations as it writes the gradients, so the update holds about the larger of the two.
+gradients are set to None after each optimizer step, so they never meet the KV cache. Within the update the
+backward starts with every activation alive (and the logit workspace, and the head's gradient buffer) and ends
+with every gradient written and the activations freed, so the update holds the larger of those two groups
+(`Term.overlap`).
+
+A model whose LM head cannot be read (`models.output_head`: another module type, a hook, a LoRA variant on the
+head) keeps its own (rows, tokens, vocabulary) logits instead: the plan does not count those.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lit_rlhf.algorithms.chunked_logprobs import CHUNK_TOKENS, VOCAB_SLICE
 from lit_rlhf.config import ConfigError, VLLMConfig
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.training.sharding import longest_module_list
@@ -44,21 +57,45 @@ MemoryCheck = Literal["error", "warn", "off"]
 GiB = 1024**3
 
 # Activations kept for backward, in elements per token and layer (no recompute): ELEMENTS_PER_HIDDEN x hidden +
-# ELEMENTS_PER_MLP x intermediate. Measured, not derived: fitted to SmolLM2-135M (SiLU-gated MLP) on CPU
-# (docs/memory.md). Counting a Llama block's named saved tensors (the block's input, the norms' outputs, q, k, v
-# and their rotated copies, the attention output; the gate and up projections, the activation and the product)
-# gives about 7 x hidden + 4 x intermediate, half of what is measured: autograd keeps more (copies made by
-# reshapes of non-contiguous tensors, float32 upcasts in the norms, the masks). Eager attention also keeps its
-# (heads x T) probabilities per token (2 copies); `sdpa` keeps none.
+# ELEMENTS_PER_MLP x intermediate. Measured, not derived: fitted to the peak RSS of SmolLM2-135M (SiLU-gated MLP)
+# runs on CPU (docs/memory.md). Refitted on 2026-12-07 once the forwards stopped building logits (the first fit
+# had four (tokens, vocabulary) logits copies beside them): the full fine-tuning run implies 15, the LoRA run 18
+# (at their measured prompt width; the two share one shape, so ELEMENTS_PER_MLP stays at 6), and 16 was kept.
+# What is alive after the forward is about half: counting a Llama block's named saved tensors (the block's input,
+# the norms' outputs, q, k, v and their rotated copies, the attention output; the gate and up projections, the
+# activation and the product) gives 7 x hidden + 4 x intermediate, and that is what SmolLM2's forward keeps once
+# the allocator has returned its free memory (malloc_trim after the LoRA run's forward: 727 MiB alive, 643 MiB
+# without the prompts' per-row keys and values, about 7.3 x hidden + 4 x intermediate; 1268 MiB at the forward's
+# peak). The rest is memory glibc's allocator holds during the forward on a CPU; a GPU's caching allocator behaves
+# otherwise (not measured here). Eager attention also keeps its (heads x T) probabilities per token (2 copies);
+# `sdpa` keeps none.
 ELEMENTS_PER_HIDDEN = 16
 ELEMENTS_PER_MLP = 6
 # GPT-2's `gelu_new` is written out in Python (x^3, tanh, products), each step keeping an intermediate-sized
 # tensor: fitted to the built-in GPT-2 on CPU.
 ELEMENTS_PER_MLP_UNFUSED = 7
 UNFUSED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh_python")
-# Logits kept per response token and vocabulary entry: the logits, the temperature-scaled copy, the
-# log-softmax and the softmax of the entropy term.
-LOGIT_COPIES = 4
+# (n, v) float32 blocks `chunked_logprobs.head_stats` holds at once (n = min(tokens, logit_chunk_tokens),
+# v = min(vocabulary, VOCAB_SLICE)), counted in its code and measured (peak RSS growth of one forward, then of its
+# backward, N 2048, H 128, V 151,936: 3.09 and 5.09 blocks forward, 3.03, 5.04, 5.03 and 6.03 backward): its
+# forward keeps the logits, their shifted copy and its exp (3); with the reference's logits for the exact KL, those
+# and their difference (5). Its backward keeps the recomputed logits, the gradient coefficient and the previous
+# slice's gradient (3); the entropy bonus's gradient adds two temporaries (5), and the exact KL's the reference's
+# logits and a product (5; 6 with both).
+LOGIT_BLOCKS = 3
+LOGIT_BLOCKS_EXACT_KL = 5  # forward with the reference; backward with the exact KL or the entropy bonus
+LOGIT_BLOCKS_EXACT_KL_AND_ENTROPY = 6  # backward with the exact KL in the loss and the entropy bonus
+# (rows, vocabulary) float32 tensors a sampling step holds at once (`rollout.sampler`; measured for `draw`): the
+# last position's logits, the softmax and torch.multinomial's exponential draws (3); one more for the division by
+# a temperature other than 1 or a model not in float32 (the float copy); top-p's sort (values and int64 indices),
+# softmax and cumulative sum add 4 (3.5 measured).
+SAMPLING_LOGIT_COPIES = 3
+SAMPLING_TOP_P_COPIES = 4
+# What a fit holds on a CPU beyond its planned terms whatever the model (the rollout's Python objects, the autograd
+# graph's nodes, the allocator's arenas): measured, the peak RSS of benchmarks/memory_plan.py's `tiny-minimal`
+# (1 prompt x 2 samples of 2 tokens) over the baseline minus its other terms, 12.5-12.9 MiB against 7.8 planned in
+# 5 runs. Host memory, so not counted on an accelerator.
+FIT_OVERHEAD_CPU = 5 * 2**20
 
 
 @dataclass(frozen=True)
@@ -79,6 +116,8 @@ class ModelShape:
     mlp_elements: int = ELEMENTS_PER_MLP
     root_params: int = 0  # outside the repeated blocks (embeddings, final norm, an untied head): FSDP2's root unit
     root_trainable: int = 0  # of those, the ones that train (with LoRA: only a `modules_to_save` copy)
+    head_grad: int = 0  # elements of the LM head's weight when it trains (its weight's gradient), else 0
+    tied_head_grad: int = 0  # the same when that weight is also the input embedding's (tied), else 0
 
     @property
     def weight_bytes(self) -> int:
@@ -120,7 +159,31 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
         mlp_elements=ELEMENTS_PER_MLP_UNFUSED if activation in UNFUSED_ACTIVATIONS else ELEMENTS_PER_MLP,
         root_params=sum(p.numel() for p in root),
         root_trainable=sum(p.numel() for p in root if p.requires_grad),
+        **head_gradients(model),
     )
+
+
+def head_gradients(model: nn.Module) -> dict[str, int]:
+    """`head_grad` and `tied_head_grad` of `ModelShape`: the LM head's weight trains when any parameter of the head
+    module does (full fine-tuning, a LoRA adapter on the head, a `modules_to_save` copy); `head_stats`' backward
+    then fills a zero gradient of the whole weight. Tied: the head's weight is the input embedding's, so the
+    embedding's backward adds a second gradient of that size before the two are summed."""
+    from lit_rlhf.models.output_head import output_module
+
+    head = output_module(model)
+    if head is None or not any(p.requires_grad for p in head.parameters()):
+        return {}
+    weight = max((p for p in head.parameters() if p.dim() == 2), key=lambda p: p.numel(), default=None)
+    if weight is None:
+        return {}
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    get_embeddings = getattr(base, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    tied = (
+        weight.requires_grad and isinstance(embeddings, nn.Module) and any(p is weight for p in embeddings.parameters())
+    )
+    return {"head_grad": weight.numel(), "tied_head_grad": weight.numel() if tied else 0}
 
 
 def config_dtype(config: Any) -> torch.dtype:
@@ -184,6 +247,12 @@ class PlanSettings:
     share_prompt_forward: bool = True  # each distinct prompt through the layers once per forward
     prompt_tokens: int = 1
     new_tokens: int = 1
+    logit_chunk_tokens: int = CHUNK_TOKENS  # algorithm.logit_chunk_tokens: tokens per block of head_stats
+    entropy_bonus: bool = False  # algorithm.entropy_coef > 0: the entropy's gradient goes through the head
+    exact_kl: bool = False  # kl_estimator 'full' with a reference: the KL over the vocabulary, from both heads
+    exact_kl_in_loss: bool = False  # ... as a loss term (algorithm.full_kl_in_loss), so also in the backward
+    temperature: float = 1.0  # sampling.temperature
+    top_p: float = 1.0  # sampling.top_p
     world_size: int = 1
     sharded: bool = False  # FSDP: weights, gradients and optimizer states split over world_size
     shard_frozen: bool = True  # FSDP: the reference and reward model sharded too (else replicated)
@@ -208,6 +277,10 @@ class Term:
     phase: Literal["persistent", "rollout", "update"]
     bytes: int
     shrink: str  # the settings that make it smaller
+    # in the update: 'activations' for what is alive when the backward starts (the activations, the logit
+    # workspace, the head's gradient buffer), 'gradients' for what is when it ends; the phase holds the larger
+    # group, not both. '': alive throughout.
+    overlap: Literal["", "activations", "gradients"] = ""
 
 
 @dataclass
@@ -225,10 +298,10 @@ class MemoryPlan:
 
     def phase(self, name: str) -> int:
         """A phase's peak: the sum of its terms, except that backward frees the activations as it writes the
-        gradients, so the update holds about the larger of the two at once."""
+        gradients, so the update holds the larger of the two groups (`Term.overlap`) at once."""
         terms = [t for t in self.terms if t.phase == name]
-        overlapping = [t.bytes for t in terms if t.name == "gradients" or t.name.startswith("activations")]
-        return sum(t.bytes for t in terms) - sum(overlapping) + max(overlapping, default=0)
+        groups = {group: sum(t.bytes for t in terms if t.overlap == group) for group in ("activations", "gradients")}
+        return sum(t.bytes for t in terms if not t.overlap) + max(groups.values())
 
     @property
     def largest(self) -> Term:
@@ -261,11 +334,11 @@ class MemoryPlan:
 def activation_bytes(
     shape: ModelShape, rows: int, prompt_rows: int, prompt: int, response: int, checkpointing: bool
 ) -> int:
-    """Bytes one forward with grad keeps for backward: `prompt_rows` x `prompt` prompt tokens (each distinct prompt
-    once with the shared-prompt forward) and `rows` x `response` response tokens. Per layer and token:
-    ELEMENTS_PER_HIDDEN x hidden + mlp_elements x intermediate (+ 2 x heads x (prompt + response) with eager
-    attention); with gradient checkpointing each layer keeps only its input (hidden) and one layer's full set is
-    alive at a time during the recompute. Plus LOGIT_COPIES x vocab per response token."""
+    """Bytes one forward with grad keeps for backward in the layers: `prompt_rows` x `prompt` prompt tokens (each
+    distinct prompt once with the shared-prompt forward) and `rows` x `response` response tokens. Per layer and
+    token: ELEMENTS_PER_HIDDEN x hidden + mlp_elements x intermediate (+ 2 x heads x (prompt + response) with
+    eager attention); with gradient checkpointing each layer keeps only its input (hidden) and one layer's full
+    set is alive at a time during the recompute. No logits: the head's input goes to `head_stats`."""
     per_layer = ELEMENTS_PER_HIDDEN * shape.hidden + shape.mlp_elements * shape.intermediate
     if shape.eager_attention:
         per_layer += 2 * shape.heads * (prompt + response)
@@ -274,8 +347,44 @@ def activation_bytes(
     else:
         per_token = shape.layers * per_layer
     tokens = prompt_rows * prompt + rows * response
-    logits = rows * LOGIT_COPIES * (response + 1) * shape.vocab
-    return (tokens * per_token + logits) * shape.element_bytes
+    return tokens * per_token * shape.element_bytes
+
+
+def prompt_kv_bytes(shape: ModelShape, rows: int, prompt: int) -> int:
+    """The shared-prompt forward's per-row copies of the prompts' keys and values, kept for backward: each of the
+    `rows` response rows attends over its own copy of its prompt's cache rows (gathered with `index_select`,
+    grown with the responses' keys and values), which attention keeps with every query head's copy (`repeat_kv`
+    for grouped-query attention): 2 x heads x head_dim values per prompt token, row and layer."""
+    return rows * prompt * 2 * shape.heads * shape.head_dim * shape.layers * shape.element_bytes
+
+
+def logit_blocks(s: PlanSettings) -> int:
+    """The (n, v) float32 blocks `head_stats` holds at once in an update (forward or backward, the larger)."""
+    forward = LOGIT_BLOCKS_EXACT_KL if s.exact_kl else LOGIT_BLOCKS
+    if s.exact_kl_in_loss and s.entropy_bonus:
+        backward = LOGIT_BLOCKS_EXACT_KL_AND_ENTROPY
+    elif s.exact_kl_in_loss or s.entropy_bonus:
+        backward = LOGIT_BLOCKS_EXACT_KL
+    else:
+        backward = LOGIT_BLOCKS
+    return max(forward, backward)
+
+
+def logit_workspace_bytes(shape: ModelShape, tokens: int, chunk_tokens: int, blocks: int) -> int:
+    """`blocks` float32 blocks of min(`tokens`, `chunk_tokens`) x min(vocabulary, VOCAB_SLICE): the most of the
+    logits that exist at once while `head_stats` runs over `tokens` valid response tokens."""
+    statistics = max(4, shape.element_bytes)  # float32, float64 for a float64 model
+    return blocks * min(tokens, chunk_tokens) * min(shape.vocab, VOCAB_SLICE) * statistics
+
+
+def sampling_logit_bytes(shape: ModelShape, rows: int, temperature: float, top_p: float) -> int:
+    """A sampling step's last-position logits and what is drawn from them: (rows, vocabulary) float32 copies."""
+    copies = SAMPLING_LOGIT_COPIES
+    if temperature != 1.0 or shape.element_bytes != 4:
+        copies += 1
+    if top_p < 1.0:
+        copies += SAMPLING_TOP_P_COPIES
+    return copies * rows * shape.vocab * 4
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int) -> int:
@@ -350,6 +459,8 @@ def plan_memory(s: PlanSettings, available: int | None = None) -> MemoryPlan:
                     fix if name == "reference" else "a smaller reward model, or sharding",
                 )
             )
+    if s.device == "cpu":
+        terms.append(Term("the fit's own objects (CPU)", "persistent", FIT_OVERHEAD_CPU, "nothing: it is fixed"))
     if s.world_size > 1 and not s.sharded:  # DDP's reducer keeps a flat copy of the gradients in its buckets
         buckets = trainable * policy.element_bytes
         terms.append(Term("DDP gradient buckets", "persistent", buckets, "model.lora, or sharding"))
@@ -415,27 +526,47 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
     rows = s.prompts_per_device * s.group_size
     tokens = s.prompt_tokens + s.new_tokens
     micro = s.micro_batch_size or max(1, rows // s.num_minibatches)
-    shared = s.share_prompt_forward and s.group_size > 1 and micro % s.group_size == 0
+    # the shared-prompt forward needs whole groups, and is off under grad with gradient checkpointing
+    shared = s.share_prompt_forward and s.group_size > 1 and micro % s.group_size == 0 and not s.gradient_checkpointing
     prompt_rows = micro // s.group_size if shared else micro
     activations = activation_bytes(policy, micro, prompt_rows, s.prompt_tokens, s.new_tokens, s.gradient_checkpointing)
+    prompt_kv = prompt_kv_bytes(policy, micro, s.prompt_tokens) if shared else 0
     if s.uses_critic and s.separate_critic:
-        activations *= 2
+        activations, prompt_kv = 2 * activations, 2 * prompt_kv
+    smaller_micro = "model.algorithm.micro_batch_size"
     terms = [
-        Term("gradients", "update", trainable * policy.element_bytes // shard, "model.lora, or sharding"),
+        Term("gradients", "update", trainable * policy.element_bytes // shard, "model.lora, or sharding", "gradients"),
         Term(
             f"activations (micro-batch of {micro} rows)",
             "update",
             activations,
-            "model.algorithm.micro_batch_size, model.gradient_checkpointing",
+            f"{smaller_micro}, model.gradient_checkpointing",
+            "activations",
         ),
     ]
+    if prompt_kv:
+        fix = f"{smaller_micro}, data.max_prompt_length, or share_prompt_forward: false (then the prompts run per row)"
+        terms.append(Term("shared prompts' keys/values per row", "update", prompt_kv, fix, "activations"))
+    workspace = logit_workspace_bytes(policy, micro * s.new_tokens, s.logit_chunk_tokens, logit_blocks(s))
+    fix = "model.algorithm.logit_chunk_tokens (fewer tokens per block)"
+    terms.append(Term("logit chunk workspace", "update", workspace, fix, "activations"))
+    if policy.head_grad and not (s.sharded and shard > 1):  # sharded: the root unit's term counts the head
+        grad, fix = policy.head_grad * policy.element_bytes, "model.lora (the head is frozen)"
+        terms.append(Term("LM head's gradient buffer", "update", grad, fix, "activations"))
+        if policy.tied_head_grad:
+            tied = policy.tied_head_grad * policy.element_bytes
+            fix = "model.lora (the embedding is frozen)"
+            terms.append(Term("tied embedding's second gradient", "update", tied, fix, "gradients"))
+    if s.exact_kl:  # the reference's (B, T, H) head inputs, kept until the policy's forward has the KL
+        hidden = rows * s.new_tokens * policy.hidden * policy.element_bytes
+        terms.append(Term("reference hidden states (exact KL)", "update", hidden, "kl_estimator k1/k2/k3"))
     if s.backend != "vllm":  # vLLM keeps its KV cache in its own share (colocate) or elsewhere (server)
         cache = kv_cache_bytes(policy, rows, tokens)
         fix = "data.batch_size, model.algorithm.group_size or model.sampling.max_new_tokens"
         terms.insert(0, Term("KV cache of a rollout", "rollout", cache, fix))
-    if "reference" in shapes or (s.uses_reference and s.lora is not None):
-        logits = rows * (s.new_tokens + 1) * policy.vocab * 4
-        terms.append(Term("reference logits of the rollout", "update", logits, "data.batch_size or group_size"))
+        logits = sampling_logit_bytes(policy, rows, s.temperature, s.top_p)
+        fix = "data.batch_size or model.algorithm.group_size (top_p 1.0 skips the sort)"
+        terms.insert(1, Term("last-position logits while sampling", "rollout", logits, fix))
     if s.sharded and shard > 1:
         # FSDP2 gathers into storage of its own beside the shards: the whole policy while it samples, and in the
         # update the root unit (kept whole from its forward through its backward) with its whole gradient and
@@ -476,6 +607,12 @@ def plan_settings(module: Any, prompts: Any, trainer: Any) -> PlanSettings:
         share_prompt_forward=algo.share_prompt_forward,
         prompt_tokens=getattr(prompts, "max_prompt_length", 1),
         new_tokens=module.sampling.max_new_tokens,
+        logit_chunk_tokens=algo.logit_chunk_tokens,
+        entropy_bonus=algo.entropy_coef > 0,
+        exact_kl=algo.uses_reference and algo.kl_estimator == "full",
+        exact_kl_in_loss=algo.full_kl_in_loss,
+        temperature=module.sampling.temperature,
+        top_p=module.sampling.top_p,
         world_size=trainer.world_size,
         sharded=sharded,
         shard_frozen=getattr(module, "shard_frozen", True),

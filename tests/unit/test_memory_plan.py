@@ -1,5 +1,7 @@
 """The memory plan: exact parameter counts from meta-device builds (no weights loaded), which models it counts
-(no reference with LoRA or kl_coef 0), sharding, and the refusal at fit start and in `lit-rlhf-plan`."""
+(no reference with LoRA or kl_coef 0), sharding, the terms of the chunked log-probs (no logits tensor: a block
+workspace, the head's gradient, the sampling step's last-position logits) checked against hand arithmetic, and
+the refusal at fit start and in `lit-rlhf-plan`."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def test_lora_counts_the_adapters_and_drops_the_reference():
     assert terms(plan)["optimizer state (AdamW, fp32)"] == 2 * 4 * adapters
     assert "reference weights (frozen)" not in terms(plan)
     no_kl = plan_memory(PlanSettings(policy="builtin:digits", uses_reference=False))
-    assert "reference weights (frozen)" not in terms(no_kl) and "reference logits of the rollout" not in terms(no_kl)
+    assert "reference weights (frozen)" not in terms(no_kl)
 
 
 def test_sharding_divides_weights_gradients_and_optimizer_by_the_world_size():
@@ -103,11 +105,125 @@ def test_lora_modules_to_save_train_in_the_root_unit_under_sharding():
 
 
 def test_gradient_checkpointing_and_micro_batches_shrink_the_activations():
+    # the shared-prompt forward is off under grad with checkpointing: compare both without it
     base = dict(policy="builtin:digits", prompts_per_device=8, group_size=4, prompt_tokens=16, new_tokens=8)
-    full = plan_memory(PlanSettings(**base))
+    full = plan_memory(PlanSettings(**base, share_prompt_forward=False))
     key = "activations (micro-batch of 32 rows)"
-    assert terms(plan_memory(PlanSettings(**base, gradient_checkpointing=True)))[key] < terms(full)[key]
+    checkpointed = PlanSettings(**base, gradient_checkpointing=True)
+    assert terms(plan_memory(checkpointed))[key] < terms(full)[key]
     assert "activations (micro-batch of 8 rows)" in terms(plan_memory(PlanSettings(**base, micro_batch_size=8)))
+
+
+def meta_llama(vocab: int = 40000, tied: bool = False):
+    """A 2-layer Llama on the meta device (nothing allocated): hidden 16, MLP 48, 4 heads of 4, 2 KV heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+# 4 prompts x G 2 = 8 rows, P 10, R 6: one micro-batch of the 8 rows, 48 response tokens
+LLAMA_BATCH = dict(prompts_per_device=4, group_size=2, prompt_tokens=10, new_tokens=6)
+
+
+def test_the_activations_and_the_shared_prompts_keys_and_values_by_hand():
+    plan = terms(plan_memory(PlanSettings(policy=meta_llama(), **LLAMA_BATCH)))
+    per_token_and_layer = 16 * 16 + 6 * 48  # E_h x hidden + E_mlp x intermediate = 544
+    tokens = 4 * 10 + 8 * 6  # each distinct prompt once (shared-prompt forward), every row's response: 88
+    assert plan["activations (micro-batch of 8 rows)"] == tokens * 2 * per_token_and_layer * 4
+    # each of the 8 rows attends over its own copy of its prompt's keys and values, 4 query heads of 4 wide
+    assert plan["shared prompts' keys/values per row"] == 8 * 10 * 2 * 4 * 4 * 2 * 4
+    plain = terms(plan_memory(PlanSettings(policy=meta_llama(), **LLAMA_BATCH, share_prompt_forward=False)))
+    assert plain["activations (micro-batch of 8 rows)"] == (8 * 10 + 8 * 6) * 2 * per_token_and_layer * 4
+    assert "shared prompts' keys/values per row" not in plain
+    recompute = PlanSettings(policy=meta_llama(), **LLAMA_BATCH, gradient_checkpointing=True)  # no sharing then
+    assert "shared prompts' keys/values per row" not in terms(plan_memory(recompute))
+
+
+def test_the_logit_workspace_is_a_few_blocks_of_chunk_tokens_by_the_vocabulary_slice():
+    plan = terms(plan_memory(PlanSettings(policy=meta_llama(40000), **LLAMA_BATCH, logit_chunk_tokens=32)))
+    # 3 float32 blocks of min(48 tokens, 32) x min(40000, 32768)
+    assert plan["logit chunk workspace"] == 3 * 32 * 32768 * 4
+    wider = terms(plan_memory(PlanSettings(policy=meta_llama(80000), **LLAMA_BATCH, logit_chunk_tokens=32)))
+    assert wider["logit chunk workspace"] == plan["logit chunk workspace"]  # the vocabulary runs in slices
+    few = terms(plan_memory(PlanSettings(policy=meta_llama(1000), **LLAMA_BATCH)))  # default 1024-token chunks
+    assert few["logit chunk workspace"] == 3 * 48 * 1000 * 4  # only the 48 valid tokens, 1000 ids
+    bonus = dict(policy=meta_llama(1000), **LLAMA_BATCH)
+    assert terms(plan_memory(PlanSettings(**bonus, entropy_bonus=True)))["logit chunk workspace"] == 5 * 48 * 1000 * 4
+    exact = PlanSettings(**bonus, entropy_bonus=True, exact_kl=True, exact_kl_in_loss=True)
+    assert terms(plan_memory(exact))["logit chunk workspace"] == 6 * 48 * 1000 * 4
+
+
+def test_the_exact_kl_keeps_the_references_hidden_states_until_the_policys_forward():
+    plan = terms(plan_memory(PlanSettings(policy=meta_llama(), **LLAMA_BATCH, exact_kl=True)))
+    assert plan["reference hidden states (exact KL)"] == 8 * 6 * 16 * 4  # rows x R x hidden
+    assert "reference hidden states (exact KL)" not in terms(plan_memory(PlanSettings(policy=meta_llama())))
+
+
+def test_a_trained_head_adds_its_gradient_buffer_and_a_tied_one_the_embeddings_second_gradient():
+    untied = plan_memory(PlanSettings(policy=meta_llama(40000, tied=False), **LLAMA_BATCH))
+    assert terms(untied)["LM head's gradient buffer"] == 40000 * 16 * 4
+    assert "tied embedding's second gradient" not in terms(untied)
+    tied = plan_memory(PlanSettings(policy=meta_llama(40000, tied=True), **LLAMA_BATCH))
+    assert terms(tied)["LM head's gradient buffer"] == 40000 * 16 * 4
+    assert terms(tied)["tied embedding's second gradient"] == 40000 * 16 * 4
+    # the update holds the larger group: alive when the backward starts, or when it ends
+    t = terms(tied)
+    starts = sum(
+        t[name]
+        for name in (
+            "activations (micro-batch of 8 rows)",
+            "shared prompts' keys/values per row",
+            "logit chunk workspace",
+            "LM head's gradient buffer",
+        )
+    )
+    ends = t["gradients"] + t["tied embedding's second gradient"]
+    assert t["gradients"] == 646224 * 4  # the tied weight counted once
+    assert tied.phase("update") == max(starts, ends)
+
+
+def test_lora_freezes_the_head_so_it_has_no_gradient_buffer():
+    pytest.importorskip("peft")
+    plan = terms(plan_memory(PlanSettings(policy=meta_llama(40000, tied=True), lora={"r": 4}, **LLAMA_BATCH)))
+    assert "LM head's gradient buffer" not in plan and "tied embedding's second gradient" not in plan
+
+
+def test_sampling_counts_the_last_positions_logits_per_row():
+    plan = terms(plan_memory(PlanSettings(policy=meta_llama(40000), **LLAMA_BATCH)))
+    name = "last-position logits while sampling"
+    assert plan[name] == 3 * 8 * 40000 * 4  # logits, softmax, multinomial's draws: (8 rows, 40000) float32 each
+    warm = terms(plan_memory(PlanSettings(policy=meta_llama(40000), **LLAMA_BATCH, temperature=0.7)))
+    assert warm[name] == 4 * 8 * 40000 * 4  # the division by the temperature
+    nucleus = terms(plan_memory(PlanSettings(policy=meta_llama(40000), **LLAMA_BATCH, top_p=0.9)))
+    assert nucleus[name] == 7 * 8 * 40000 * 4  # top-p's sort, softmax and cumulative sum
+    assert name not in terms(plan_memory(PlanSettings(policy=meta_llama(), **LLAMA_BATCH, backend="vllm")))
+
+
+def test_a_cpu_fit_adds_its_fixed_overhead_and_an_accelerator_does_not():
+    cpu = terms(plan_memory(PlanSettings(policy="builtin:digits")))
+    assert cpu["the fit's own objects (CPU)"] == 5 * 2**20  # host memory: Python objects, autograd nodes, arenas
+    assert "the fit's own objects (CPU)" not in terms(plan_memory(PlanSettings(policy="builtin:digits", device="cuda")))
+
+
+def test_the_module_hands_its_logit_settings_to_the_plan():
+    algorithm = AlgorithmConfig(name="grpo", logit_chunk_tokens=256, entropy_coef=0.01, kl_estimator="full")
+    sampling = SamplingConfig(temperature=0.7, top_p=0.9)
+    module = RLHFModule(policy="builtin:digits", reward_fns=[REWARD], algorithm=algorithm, sampling=sampling)
+    s = memory_plan.plan_settings(module, None, make_trainer(1))
+    assert (s.logit_chunk_tokens, s.entropy_bonus, s.exact_kl, s.exact_kl_in_loss) == (256, True, True, True)
+    assert (s.temperature, s.top_p) == (0.7, 0.9)
 
 
 def digits_fit(memory_check: str = "error"):
