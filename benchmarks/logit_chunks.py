@@ -28,8 +28,8 @@ SHAPES = {  # name: (tokens N, hidden H, vocabulary V)
     "tiny-qwen-vocab": (2048, 128, 151936),  # issue 48's workload at 128 tokens: 16 rows x 128
     "qwen-0.5b": (1024, 896, 151936),  # Qwen2.5-0.5B's head
 }
-CHUNKS = [256, 512, 1024, 2048, 4096]
-SLICES = [16384, 32768, 65536]
+CHUNKS = [128, 256, 512, 1024]
+SLICES = [4096, 8192, 16384, 32768]
 
 
 def inputs(shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,10 +20,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CHUNK_TOKENS = 1024
-"""Tokens per chunk (`algorithm.logit_chunk_tokens`'s default): picked by measurement (docs/memory.md)."""
-VOCAB_SLICE = 32768
-"""Vocabulary entries per slice of a chunk: a chunk's logits are at most CHUNK_TOKENS x VOCAB_SLICE floats."""
+CPU_BLOCK = (512, 4096)
+"""(tokens, vocabulary entries) of one block of logits on a CPU. Measured (benchmarks/logit_chunks.py, one thread,
+docs/memory.md): blocks of about 2M float32 entries stay in the caches between the passes over them; 512 x 4096
+took 0.55x the time of autograd over the full logits on a 151,936-id head (H 128) and 0.97x on SmolLM2's
+(49,152 ids, H 576), against 1.0-1.3x for blocks of 1024 x 32768."""
+ACCELERATOR_BLOCK = (2048, 32768)
+"""The same on a GPU: larger blocks, fewer kernel launches (256 MiB per float32 block). Not measured: no GPU was
+lent to the task that chose it; `algorithm.logit_chunk_tokens` sets the tokens."""
+
+
+def block_shape(device: torch.device, chunk_tokens: int | None = None) -> tuple[int, int]:
+    """(tokens, vocabulary entries) of a block on `device`; `chunk_tokens` replaces the tokens when given."""
+    tokens, vocab_slice = CPU_BLOCK if device.type == "cpu" else ACCELERATOR_BLOCK
+    return chunk_tokens or tokens, vocab_slice
+
 
 _LOWEST = torch.finfo(torch.float32).min  # a masked (-inf) logit's log-prob is clamped here: p log p = 0, not NaN
 
@@ -105,14 +116,14 @@ def head_stats(
     temperature: float = 1.0,
     reference: tuple[Tensor, Head] | None = None,
     entropy: bool = True,
-    chunk_tokens: int = CHUNK_TOKENS,
-    vocab_slice: int = VOCAB_SLICE,
+    chunk_tokens: int | None = None,
+    vocab_slice: int | None = None,
 ) -> HeadStats:
     """Log-prob of `tokens`, entropy and (with `reference`) the exact KL, differentiable in `inputs` and the head's
     weight and bias: inputs (N, H), or logits (N, V) for a head without weight, tokens (N,) long -> (N,) each.
 
     `reference`: its (N, H) inputs (or logits) and head, constants (the frozen reference). The logits exist one
-    `chunk_tokens` x `vocab_slice` block at a time, forward and backward.
+    `chunk_tokens` x `vocab_slice` block at a time, forward and backward (None: `block_shape` of the device).
     """
     if tokens.shape != inputs.shape[:1]:
         raise ValueError(f"head_stats: tokens {tuple(tokens.shape)} do not match inputs {tuple(inputs.shape)}")
@@ -124,7 +135,8 @@ def head_stats(
             f"head_stats: the policy scores {head.width(inputs)} ids and the reference {ref_head.width(ref_inputs)}; "
             "the exact KL needs one vocabulary"
         )
-    blocks = _Blocks(head, inputs, ref_head, ref_inputs, temperature, chunk_tokens, vocab_slice)
+    default_tokens, default_slice = block_shape(inputs.device, chunk_tokens)
+    blocks = _Blocks(head, inputs, ref_head, ref_inputs, temperature, default_tokens, vocab_slice or default_slice)
     weight = head.weight if head.weight is not None else inputs.new_empty(0)
     bias = head.bias if head.bias is not None else inputs.new_empty(0)
     logprobs, ent, kl, ref_logprobs = _HeadStatsFunction.apply(inputs, weight, bias, tokens, blocks, entropy)
@@ -193,8 +205,8 @@ class _OnlineLSE:
         self.c = torch.zeros_like(self.m) if against_reference else None
 
     def add(self, z: Tensor, picked: Tensor, y: Tensor | None = None) -> None:
-        """One slice: logits z (n, v), their picked values (n,) (0 where the token lies elsewhere), the reference's
-        logits y (n, v) for the KL."""
+        """One slice: logits z (n, v), overwritten, their picked values (n,) (0 where the token lies elsewhere),
+        the reference's logits y (n, v) for the KL."""
         new_m = torch.maximum(self.m, z.amax(1))
         alpha = torch.exp(self.m - new_m).nan_to_num_(nan=0.0)  # 0 at the first slice (m = -inf)
         if self.e is not None:
@@ -203,14 +215,15 @@ class _OnlineLSE:
             self.c = alpha * self.c
         self.s, self.m = alpha * self.s, new_m
         self.picked = self.picked + picked
-        shifted = (z - new_m[:, None]).clamp_(min=_LOWEST)  # (n, v), <= 0
+        difference = z - y if self.c is not None and y is not None else None  # (n, v)
+        shifted = z.sub_(new_m[:, None]).clamp_(min=_LOWEST)  # (n, v), <= 0, in place: one block fewer
         weights = shifted.exp()  # (n, v)
         self.s = self.s + weights.sum(1)
         if self.e is not None:
             self.e = self.e + (shifted.mul_(weights)).sum(1)
-        if self.c is not None and y is not None:
+        if self.c is not None and difference is not None:
             inf = float("inf")
-            self.c = self.c + weights.mul_(z - y).nan_to_num_(nan=0.0, posinf=inf, neginf=-inf).sum(1)
+            self.c = self.c + difference.mul_(weights).nan_to_num_(nan=0.0, posinf=inf, neginf=-inf).sum(1)
 
     def lse(self) -> Tensor:
         return self.m + self.s.log()
@@ -235,9 +248,10 @@ class _HeadStatsFunction(torch.autograd.Function):
                 for ids in blocks.slices():
                     z = blocks.head.logits(blocks.raw(rows, ids), blocks.temperature)
                     y = blocks.reference(rows, ids) if with_ref else None
+                    policy.add(z, _picked(z, tok, ids[0]), y)  # overwrites z (`add` reads y first, keeps it)
                     if y is not None:
                         ref.add(y, _picked(y, tok, ids[0]))
-                    policy.add(z, _picked(z, tok, ids[0]), y)
+                    del z, y  # before the next slice's: one block alive at a time
                 lse[r0:r1] = policy.lse()
                 logprobs[r0:r1] = policy.picked - lse[r0:r1]
                 if policy.e is not None:
@@ -284,12 +298,14 @@ class _HeadStatsFunction(torch.autograd.Function):
                     if g_kl is not None:
                         logq = blocks.reference(rows, ids).sub_(ref_lse[r0:r1, None]).clamp_(min=_LOWEST)
                         coefficient.sub_(g_kl * logq.neg_().add_(logp).sub_(kl[r0:r1, None]))
+                        del logq
                     grad_z = coefficient.mul_(logp.exp_()).neg_()  # (n, v)
                     if g_lp is not None:
                         index = tokens[r0:r1] - ids[0]
                         inside = ((index >= 0) & (index < ids[1] - ids[0])).nonzero().squeeze(1)
                         grad_z[inside, index[inside]] += g_lp[inside, 0]
                     grads.add(blocks, rows, ids, grad_z.mul_(slope))
+                    del raw, slope, logp, coefficient, grad_z  # before the next slice's
         grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else None
         return grads.inputs, grads.weight, grad_bias, None, None, None
 

@@ -52,7 +52,7 @@ def response_stats(
     forward: ResponseForward,
     rollout: Rollout,
     temperature: float,
-    chunk_tokens: int,
+    chunk_tokens: int | None,
     reference: ResponseForward | None = None,
     entropy: bool = True,
 ) -> HeadStats:
@@ -83,7 +83,7 @@ def policy_forward(
     actor_critic: ActorCritic,
     rollout: Rollout,
     temperature: float,
-    chunk_tokens: int,
+    chunk_tokens: int | None,
     reference: ResponseForward | None = None,
 ) -> PolicyForward:
     """One actor-critic forward over prompt + response (with grad when grad is enabled); with the reference's

@@ -58,7 +58,7 @@ class AsyncSettings:
     temperature: float
     share_prompts: bool
     length_groups: int
-    logit_chunk_tokens: int
+    logit_chunk_tokens: int | None
 
 
 def trainable_weights(policy: nn.Module) -> dict[str, Tensor]:

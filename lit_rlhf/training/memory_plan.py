@@ -11,7 +11,7 @@ task's builder for `builtin:<task>`), so parameters are counted exactly and no w
   forward's per-row copies of the prompts' keys and values (`prompt_kv_bytes`);
 - the log-probs, entropy and exact KL come from the LM head's input in blocks (`chunked_logprobs.head_stats`): no
   (rows, tokens, vocabulary) logits tensor exists, only a workspace of a few float32 blocks of
-  min(tokens, `logit_chunk_tokens`) x min(vocabulary, `VOCAB_SLICE`) (`logit_workspace_bytes`), and when the
+  min(tokens, `logit_chunk_tokens`) x min(vocabulary, the device's slice) (`logit_workspace_bytes`), and when the
   head trains, the zero gradient of its weight the backward starts with (and with tied embeddings, the
   embedding's own gradient of the same size before the two are summed);
 - sampling computes the last position's logits only: a few (rows, vocabulary) float32 tensors per step
@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lit_rlhf.algorithms.chunked_logprobs import CHUNK_TOKENS, VOCAB_SLICE
+from lit_rlhf.algorithms.chunked_logprobs import block_shape
 from lit_rlhf.config import ConfigError, VLLMConfig
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.training.sharding import longest_module_list
@@ -75,16 +75,15 @@ ELEMENTS_PER_MLP = 6
 # tensor: fitted to the built-in GPT-2 on CPU.
 ELEMENTS_PER_MLP_UNFUSED = 7
 UNFUSED_ACTIVATIONS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh_python")
-# (n, v) float32 blocks `chunked_logprobs.head_stats` holds at once (n = min(tokens, logit_chunk_tokens),
-# v = min(vocabulary, VOCAB_SLICE)), counted in its code and measured (peak RSS growth of one forward, then of its
-# backward, N 2048, H 128, V 151,936: 3.09 and 5.09 blocks forward, 3.03, 5.04, 5.03 and 6.03 backward): its
-# forward keeps the logits, their shifted copy and its exp (3); with the reference's logits for the exact KL, those
-# and their difference (5). Its backward keeps the recomputed logits, the gradient coefficient and the previous
-# slice's gradient (3); the entropy bonus's gradient adds two temporaries (5), and the exact KL's the reference's
-# logits and a product (5; 6 with both).
-LOGIT_BLOCKS = 3
-LOGIT_BLOCKS_EXACT_KL = 5  # forward with the reference; backward with the exact KL or the entropy bonus
-LOGIT_BLOCKS_EXACT_KL_AND_ENTROPY = 6  # backward with the exact KL in the loss and the entropy bonus
+# (n, v) float32 blocks `chunked_logprobs.head_stats` holds at once (n x v: `block_shape` of the device, n at
+# most the tokens), counted in its code and measured (peak RSS growth of one forward, then of its backward, with
+# blocks of 1024 x 32768, N 2048, H 128, V 151,936: 2.09 blocks forward, 4.09 with the reference's; 2.02 backward,
+# 4.03 with the entropy bonus, the exact KL or both): its forward keeps the logits (shifted in place) and their exp
+# (2), with the reference's for the exact KL those, the difference and the reference's exp (4); its backward keeps
+# the recomputed logits and the gradient coefficient (2), and two temporaries more for the entropy's or the KL's
+# gradient (4).
+LOGIT_BLOCKS = 2
+LOGIT_BLOCKS_WIDE = 4  # forward with the reference's (the exact KL); backward with the exact KL or the entropy bonus
 # (rows, vocabulary) float32 tensors a sampling step holds at once (`rollout.sampler`; measured for `draw`): the
 # last position's logits, the softmax and torch.multinomial's exponential draws (3); one more for the division by
 # a temperature other than 1 or a model not in float32 (the float copy); top-p's sort (values and int64 indices),
@@ -247,7 +246,7 @@ class PlanSettings:
     share_prompt_forward: bool = True  # each distinct prompt through the layers once per forward
     prompt_tokens: int = 1
     new_tokens: int = 1
-    logit_chunk_tokens: int = CHUNK_TOKENS  # algorithm.logit_chunk_tokens: tokens per block of head_stats
+    logit_chunk_tokens: int | None = None  # algorithm.logit_chunk_tokens (None: the device's `block_shape`)
     entropy_bonus: bool = False  # algorithm.entropy_coef > 0: the entropy's gradient goes through the head
     exact_kl: bool = False  # kl_estimator 'full' with a reference: the KL over the vocabulary, from both heads
     exact_kl_in_loss: bool = False  # ... as a loss term (algorithm.full_kl_in_loss), so also in the backward
@@ -360,21 +359,19 @@ def prompt_kv_bytes(shape: ModelShape, rows: int, prompt: int) -> int:
 
 def logit_blocks(s: PlanSettings) -> int:
     """The (n, v) float32 blocks `head_stats` holds at once in an update (forward or backward, the larger)."""
-    forward = LOGIT_BLOCKS_EXACT_KL if s.exact_kl else LOGIT_BLOCKS
-    if s.exact_kl_in_loss and s.entropy_bonus:
-        backward = LOGIT_BLOCKS_EXACT_KL_AND_ENTROPY
-    elif s.exact_kl_in_loss or s.entropy_bonus:
-        backward = LOGIT_BLOCKS_EXACT_KL
-    else:
-        backward = LOGIT_BLOCKS
-    return max(forward, backward)
+    wide = s.exact_kl or s.entropy_bonus  # the forward with the reference's, or a wider backward
+    return LOGIT_BLOCKS_WIDE if wide else LOGIT_BLOCKS
 
 
-def logit_workspace_bytes(shape: ModelShape, tokens: int, chunk_tokens: int, blocks: int) -> int:
-    """`blocks` float32 blocks of min(`tokens`, `chunk_tokens`) x min(vocabulary, VOCAB_SLICE): the most of the
-    logits that exist at once while `head_stats` runs over `tokens` valid response tokens."""
+def logit_workspace_bytes(
+    shape: ModelShape, tokens: int, chunk_tokens: int | None, blocks: int, device: str = "cpu"
+) -> int:
+    """`blocks` float32 blocks of min(`tokens`, block tokens) x min(vocabulary, block ids) (`block_shape` of the
+    device, `chunk_tokens` its tokens when set): the most of the logits that exist at once while `head_stats` runs
+    over `tokens` valid response tokens."""
+    block_tokens, block_ids = block_shape(torch.device(device), chunk_tokens)
     statistics = max(4, shape.element_bytes)  # float32, float64 for a float64 model
-    return blocks * min(tokens, chunk_tokens) * min(shape.vocab, VOCAB_SLICE) * statistics
+    return blocks * min(tokens, block_tokens) * min(shape.vocab, block_ids) * statistics
 
 
 def sampling_logit_bytes(shape: ModelShape, rows: int, temperature: float, top_p: float) -> int:
@@ -547,7 +544,7 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
     if prompt_kv:
         fix = f"{smaller_micro}, data.max_prompt_length, or share_prompt_forward: false (then the prompts run per row)"
         terms.append(Term("shared prompts' keys/values per row", "update", prompt_kv, fix, "activations"))
-    workspace = logit_workspace_bytes(policy, micro * s.new_tokens, s.logit_chunk_tokens, logit_blocks(s))
+    workspace = logit_workspace_bytes(policy, micro * s.new_tokens, s.logit_chunk_tokens, logit_blocks(s), s.device)
     fix = "model.algorithm.logit_chunk_tokens (fewer tokens per block)"
     terms.append(Term("logit chunk workspace", "update", workspace, fix, "activations"))
     if policy.head_grad and not (s.sharded and shard > 1):  # sharded: the root unit's term counts the head

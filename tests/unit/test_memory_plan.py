@@ -153,16 +153,18 @@ def test_the_activations_and_the_shared_prompts_keys_and_values_by_hand():
 
 def test_the_logit_workspace_is_a_few_blocks_of_chunk_tokens_by_the_vocabulary_slice():
     plan = terms(plan_memory(PlanSettings(policy=meta_llama(40000), **LLAMA_BATCH, logit_chunk_tokens=32)))
-    # 3 float32 blocks of min(48 tokens, 32) x min(40000, 32768)
-    assert plan["logit chunk workspace"] == 3 * 32 * 32768 * 4
+    # 2 float32 blocks of min(48 tokens, 32) x min(40000, 4096) (a CPU's slice)
+    assert plan["logit chunk workspace"] == 2 * 32 * 4096 * 4
     wider = terms(plan_memory(PlanSettings(policy=meta_llama(80000), **LLAMA_BATCH, logit_chunk_tokens=32)))
     assert wider["logit chunk workspace"] == plan["logit chunk workspace"]  # the vocabulary runs in slices
-    few = terms(plan_memory(PlanSettings(policy=meta_llama(1000), **LLAMA_BATCH)))  # default 1024-token chunks
-    assert few["logit chunk workspace"] == 3 * 48 * 1000 * 4  # only the 48 valid tokens, 1000 ids
+    gpu = PlanSettings(policy=meta_llama(80000), **LLAMA_BATCH, logit_chunk_tokens=32, device="cuda")
+    assert terms(plan_memory(gpu))["logit chunk workspace"] == 2 * 32 * 32768 * 4  # a GPU's wider slice
+    few = terms(plan_memory(PlanSettings(policy=meta_llama(1000), **LLAMA_BATCH)))  # default 512-token chunks
+    assert few["logit chunk workspace"] == 2 * 48 * 1000 * 4  # only the 48 valid tokens, 1000 ids
     bonus = dict(policy=meta_llama(1000), **LLAMA_BATCH)
-    assert terms(plan_memory(PlanSettings(**bonus, entropy_bonus=True)))["logit chunk workspace"] == 5 * 48 * 1000 * 4
+    assert terms(plan_memory(PlanSettings(**bonus, entropy_bonus=True)))["logit chunk workspace"] == 4 * 48 * 1000 * 4
     exact = PlanSettings(**bonus, entropy_bonus=True, exact_kl=True, exact_kl_in_loss=True)
-    assert terms(plan_memory(exact))["logit chunk workspace"] == 6 * 48 * 1000 * 4
+    assert terms(plan_memory(exact))["logit chunk workspace"] == 4 * 48 * 1000 * 4
 
 
 def test_the_exact_kl_keeps_the_references_hidden_states_until_the_policys_forward():

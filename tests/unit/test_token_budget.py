@@ -86,7 +86,7 @@ def grads_after(module, pieces, totals):
     [
         dict(name="ppo", mask_truncated=True),  # critic: values and returns are cut too
         dict(name="grpo", group_size=4, kl_coef=0.04, kl_estimator="k3", entropy_coef=0.01),
-        dict(name="grpo", group_size=2, kl_coef=0.04, kl_estimator="full"),  # reference logits of the cut batch
+        dict(name="grpo", group_size=2, kl_coef=0.04, kl_estimator="full"),  # the reference forward of the cut batch
     ],
 )
 def test_token_budget_micro_batches_give_the_gradient_of_the_whole_minibatch(tokenizer, extra, aggregation):
