@@ -1,6 +1,6 @@
 """The module's forwards on a rollout or micro-batch, each model run as the others are (shared prompts, length
-groups): the actor-critic's with its token statistics, the frozen reference's, and log-probs from either, in chunks
-of `algorithm.logit_chunk_tokens` tokens (`lit_rlhf.algorithms.chunked_logprobs`)."""
+groups): the actor-critic's with its token statistics, the frozen reference's, log-probs from either, in chunks of
+`algorithm.logit_chunk_tokens` tokens (`lit_rlhf.algorithms.chunked_logprobs`), and a micro-batch's loss."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import Any
 from torch import Tensor
 
 from lit_rlhf.algorithms.experience import PolicyForward, frozen_forward, policy_forward, response_stats
+from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
 from lit_rlhf.models.forward import ResponseForward
 from lit_rlhf.training.sharding import reshard_frozen
-from lit_rlhf.types import Rollout
+from lit_rlhf.types import Experience, Rollout
 
 
 class ModelForwards:
@@ -42,3 +43,15 @@ class ModelForwards:
         """The sampled tokens' log-probs (B, T) under a forward, at the sampling temperature (0 outside the mask)."""
         chunk = self.algorithm.logit_chunk_tokens
         return response_stats(forward, mb, self.sampling.temperature, chunk, entropy=False).logprobs
+
+    def micro_batch_loss(
+        self, mb: Experience, totals: MinibatchTotals, forward: PolicyForward | None = None
+    ) -> tuple[Tensor, dict[str, float]]:
+        """The loss of one micro-batch, normalised by its minibatch's totals (`forward`: its policy forward,
+        when the caller already ran it)."""
+        if forward is None:
+            reference = None
+            if self.algorithm.full_kl_in_loss and self.reference is not None:
+                reference = self.reference_forward(mb)
+            forward = self.policy_forward(mb, reference)
+        return ppo_objective(forward, mb, self.algorithm, totals)

@@ -43,7 +43,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -54,6 +54,11 @@ from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.training.sharding import longest_module_list
 
 MemoryCheck = Literal["error", "warn", "off"]
+Moment = Literal["backward start", "backward end", "optimizer step"]
+BACKWARD_START: frozenset[Moment] = frozenset({"backward start"})
+BACKWARD_END: frozenset[Moment] = frozenset({"backward end"})
+AFTER: frozenset[Moment] = frozenset({"backward end", "optimizer step"})  # the gradients
+STEP: frozenset[Moment] = frozenset({"optimizer step"})
 GiB = 1024**3
 
 # Activations kept for backward, in elements per token and layer (no recompute): ELEMENTS_PER_HIDDEN x hidden +
@@ -115,6 +120,7 @@ class ModelShape:
     mlp_elements: int = ELEMENTS_PER_MLP
     root_params: int = 0  # outside the repeated blocks (embeddings, final norm, an untied head): FSDP2's root unit
     root_trainable: int = 0  # of those, the ones that train (with LoRA: only a `modules_to_save` copy)
+    largest_trainable: int = 0  # elements of the largest trainable parameter
     head_grad: int = 0  # elements of the LM head's weight when it trains (its weight's gradient), else 0
     tied_head_grad: int = 0  # the same when that weight is also the input embedding's (tied), else 0
 
@@ -158,6 +164,7 @@ def shape_of(model: nn.Module, element_bytes: int | None = None) -> ModelShape:
         mlp_elements=ELEMENTS_PER_MLP_UNFUSED if activation in UNFUSED_ACTIVATIONS else ELEMENTS_PER_MLP,
         root_params=sum(p.numel() for p in root),
         root_trainable=sum(p.numel() for p in root if p.requires_grad),
+        largest_trainable=max((p.numel() for p in model.parameters() if p.requires_grad), default=0),
         **head_gradients(model),
     )
 
@@ -276,10 +283,10 @@ class Term:
     phase: Literal["persistent", "rollout", "update"]
     bytes: int
     shrink: str  # the settings that make it smaller
-    # in the update: 'activations' for what is alive when the backward starts (the activations, the logit
-    # workspace, the head's gradient buffer), 'gradients' for what is when it ends; the phase holds the larger
-    # group, not both. '': alive throughout.
-    overlap: Literal["", "activations", "gradients"] = ""
+    # in the update, the moments the term is alive at: the backward's start (the activations, the logit workspace,
+    # the head's gradient buffer), its end (every gradient written, the activations freed) and the optimizer
+    # step; the phase holds the largest moment's sum. Empty: alive throughout.
+    moments: frozenset[Moment] = frozenset()
 
 
 @dataclass
@@ -296,11 +303,11 @@ class MemoryPlan:
         return self.phase("persistent") + (rollout + update if self.overlapped else max(rollout, update))
 
     def phase(self, name: str) -> int:
-        """A phase's peak: the sum of its terms, except that backward frees the activations as it writes the
-        gradients, so the update holds the larger of the two groups (`Term.overlap`) at once."""
+        """A phase's peak: the sum of its terms, except that the update's are alive at some moments only
+        (`Term.moments`), so it holds the largest moment's sum."""
         terms = [t for t in self.terms if t.phase == name]
-        groups = {group: sum(t.bytes for t in terms if t.overlap == group) for group in ("activations", "gradients")}
-        return sum(t.bytes for t in terms if not t.overlap) + max(groups.values())
+        moments = [sum(t.bytes for t in terms if moment in t.moments) for moment in get_args(Moment)]
+        return sum(t.bytes for t in terms if not t.moments) + max(moments)
 
     @property
     def largest(self) -> Term:
@@ -372,6 +379,15 @@ def logit_workspace_bytes(
     block_tokens, block_ids = block_shape(torch.device(device), chunk_tokens)
     statistics = max(4, shape.element_bytes)  # float32, float64 for a float64 model
     return blocks * min(tokens, block_tokens) * min(shape.vocab, block_ids) * statistics
+
+
+def optimizer_step_bytes(shape: ModelShape, trainable: int, device: str) -> int:
+    """What AdamW's step allocates beside its states: on a CPU (one tensor at a time) the square root of a second
+    moment and its quotient, 2 x the largest trainable parameter (measured: 148 MiB for a 74 MiB embedding); on a
+    GPU (the `foreach` kernels) one square root of every second moment at once, 1 x the trainable parameters
+    (counted in torch.optim.AdamW's code, not measured)."""
+    elements = 2 * shape.largest_trainable if device == "cpu" else trainable
+    return elements * shape.element_bytes
 
 
 def sampling_logit_bytes(shape: ModelShape, rows: int, temperature: float, top_p: float) -> int:
@@ -531,29 +547,31 @@ def _phase_terms(s: PlanSettings, shapes: dict[str, ModelShape], trainable: int,
     if s.uses_critic and s.separate_critic:
         activations, prompt_kv = 2 * activations, 2 * prompt_kv
     smaller_micro = "model.algorithm.micro_batch_size"
+    step = optimizer_step_bytes(policy, trainable, s.device) // shard
     terms = [
-        Term("gradients", "update", trainable * policy.element_bytes // shard, "model.lora, or sharding", "gradients"),
+        Term("gradients", "update", trainable * policy.element_bytes // shard, "model.lora, or sharding", AFTER),
+        Term("optimizer step's temporaries", "update", step, "model.lora, or sharding", STEP),
         Term(
             f"activations (micro-batch of {micro} rows)",
             "update",
             activations,
             f"{smaller_micro}, model.gradient_checkpointing",
-            "activations",
+            BACKWARD_START,
         ),
     ]
     if prompt_kv:
         fix = f"{smaller_micro}, data.max_prompt_length, or share_prompt_forward: false (then the prompts run per row)"
-        terms.append(Term("shared prompts' keys/values per row", "update", prompt_kv, fix, "activations"))
+        terms.append(Term("shared prompts' keys/values per row", "update", prompt_kv, fix, BACKWARD_START))
     workspace = logit_workspace_bytes(policy, micro * s.new_tokens, s.logit_chunk_tokens, logit_blocks(s), s.device)
     fix = "model.algorithm.logit_chunk_tokens (fewer tokens per block)"
-    terms.append(Term("logit chunk workspace", "update", workspace, fix, "activations"))
+    terms.append(Term("logit chunk workspace", "update", workspace, fix, BACKWARD_START))
     if policy.head_grad and not (s.sharded and shard > 1):  # sharded: the root unit's term counts the head
         grad, fix = policy.head_grad * policy.element_bytes, "model.lora (the head is frozen)"
-        terms.append(Term("LM head's gradient buffer", "update", grad, fix, "activations"))
+        terms.append(Term("LM head's gradient buffer", "update", grad, fix, BACKWARD_START))
         if policy.tied_head_grad:
             tied = policy.tied_head_grad * policy.element_bytes
             fix = "model.lora (the embedding is frozen)"
-            terms.append(Term("tied embedding's second gradient", "update", tied, fix, "gradients"))
+            terms.append(Term("tied embedding's second gradient", "update", tied, fix, BACKWARD_END))
     if s.exact_kl:  # the reference's (B, T, H) head inputs, kept until the policy's forward has the KL
         hidden = rows * s.new_tokens * policy.hidden * policy.element_bytes
         terms.append(Term("reference hidden states (exact KL)", "update", hidden, "kl_estimator k1/k2/k3"))

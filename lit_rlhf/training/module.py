@@ -19,7 +19,7 @@ from lit_rlhf.algorithms.experience import (
     sampler_metrics,
     shaping_metrics,
 )
-from lit_rlhf.algorithms.objective import MinibatchTotals, ppo_objective
+from lit_rlhf.algorithms.objective import MinibatchTotals
 from lit_rlhf.config import (
     AlgorithmConfig,
     LRSchedule,
@@ -49,7 +49,13 @@ from lit_rlhf.training.forwards import ModelForwards
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
-from lit_rlhf.training.sharding import check_fsdp2_settings, is_fsdp2, reshard_frozen, shard_module_models
+from lit_rlhf.training.sharding import (
+    check_fsdp2_settings,
+    is_fsdp2,
+    reshard_frozen,
+    return_freed_memory_on_cpu,
+    shard_module_models,
+)
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -191,10 +197,12 @@ class RLHFModule(
         self.state.rollouts_done += 1
         # 2. rollout: sample group_size responses per prompt with the current policy, and score them
         rollout, timings = self.make_rollout(prompts)
+        return_freed_memory_on_cpu(self.device)  # glibc keeps freed pages: sampling's would stay under phase 3
         clock.mark("rollout")
         # 3. experience: old and reference log-probs, KL, advantages (and the update's first forward, when the
         #    sampling policy's outputs come from it: a single pass over a rollout in one piece)
         experience, first_forward = self.make_experience(rollout)
+        return_freed_memory_on_cpu(self.device)
         self.on_experience(experience)
         clock.mark("evaluate")
         # 4. update: ppo_epochs x minibatches x micro-batches
@@ -283,15 +291,3 @@ class RLHFModule(
                 stats["optim/grad_norm"] = self.clip_and_step(stats)
                 self.last_update_stats.append(stats)
         return logs.mean_over(self.last_update_stats)
-
-    def micro_batch_loss(
-        self, mb: Experience, totals: MinibatchTotals, forward: PolicyForward | None = None
-    ) -> tuple[Tensor, dict[str, float]]:
-        """The loss of one micro-batch, normalised by its minibatch's totals (`forward`: its policy forward,
-        when the caller already ran it)."""
-        if forward is None:
-            reference = None
-            if self.algorithm.full_kl_in_loss and self.reference is not None:
-                reference = self.reference_forward(mb)
-            forward = self.policy_forward(mb, reference)
-        return ppo_objective(forward, mb, self.algorithm, totals)

@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from lit_rlhf.config import AlgorithmConfig, ConfigError, LRSchedule, check_precision
 from lit_rlhf.training.hooks import ManagedHooks
 from lit_rlhf.training.run_folder import RunFolderGuard
+from lit_rlhf.training.sharding import return_freed_memory_on_cpu
 from lit_rlhf.training.state import TrainingState
 
 
@@ -193,6 +194,7 @@ class ManualOptimization(ManagedHooks):
         that leaves a weight non-finite stops training at once (`check_parameters_finite`).
         """
         optimizer = single_optimizer(self.optimizers())
+        return_freed_memory_on_cpu(self.device)  # the backward's freed pages, before the step's temporaries
         norm = gradient_norm(self.trainable_parameters())
         bad = non_finite(stats, norm)
         if bad:

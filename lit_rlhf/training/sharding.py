@@ -154,6 +154,13 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return None if name is None else ctypes.CDLL(name).malloc_trim
 
 
+def return_freed_memory_on_cpu(device: Any) -> None:
+    """`return_freed_memory` when `device` is a CPU: between the phases of a step the gathered or sampled tensors
+    of the one before are free, but glibc keeps their pages, and the next phase's peak would come on top of them."""
+    if getattr(device, "type", None) == "cpu":
+        return_freed_memory()
+
+
 def return_freed_memory() -> None:
     """Hand the pages glibc's allocator holds free back to the system (`malloc_trim(0)`).
 

@@ -180,7 +180,7 @@ def test_a_trained_head_adds_its_gradient_buffer_and_a_tied_one_the_embeddings_s
     tied = plan_memory(PlanSettings(policy=meta_llama(40000, tied=True), **LLAMA_BATCH))
     assert terms(tied)["LM head's gradient buffer"] == 40000 * 16 * 4
     assert terms(tied)["tied embedding's second gradient"] == 40000 * 16 * 4
-    # the update holds the larger group: alive when the backward starts, or when it ends
+    # the update holds the largest moment: the backward's start, its end, or the optimizer step
     t = terms(tied)
     starts = sum(
         t[name]
@@ -192,8 +192,13 @@ def test_a_trained_head_adds_its_gradient_buffer_and_a_tied_one_the_embeddings_s
         )
     )
     ends = t["gradients"] + t["tied embedding's second gradient"]
+    # AdamW on a CPU: a square root and a quotient of the largest trainable parameter, the tied 40000 x 16 table
+    assert t["optimizer step's temporaries"] == 2 * 40000 * 16 * 4
+    step = t["gradients"] + t["optimizer step's temporaries"]
     assert t["gradients"] == 646224 * 4  # the tied weight counted once
-    assert tied.phase("update") == max(starts, ends)
+    assert tied.phase("update") == max(starts, ends, step)
+    gpu = terms(plan_memory(PlanSettings(policy=meta_llama(40000, tied=True), **LLAMA_BATCH, device="cuda")))
+    assert gpu["optimizer step's temporaries"] == 646224 * 4  # foreach: one square root of every second moment
 
 
 def test_lora_freezes_the_head_so_it_has_no_gradient_buffer():
