@@ -169,6 +169,11 @@ class _Blocks:
     def chunks(self) -> list[tuple[int, int]]:
         return _spans(self.inputs.shape[0], self.chunk_tokens)
 
+    @property
+    def single(self) -> bool:
+        """Whether the logits are one block."""
+        return len(self.chunks()) == 1 and len(self.slices()) == 1
+
     def slices(self) -> list[tuple[int, int]]:
         return _spans(self.head.width(self.inputs), self.vocab_slice)
 
@@ -220,7 +225,7 @@ class _OnlineLSE:
         weights = shifted.exp()  # (n, v)
         self.s = self.s + weights.sum(1)
         if self.e is not None:
-            self.e = self.e + (shifted.mul_(weights)).sum(1)
+            self.e = self.e + torch.einsum("nv,nv->n", shifted, weights)  # no (n, v) product: shifted stays
         if self.c is not None and difference is not None:
             inf = float("inf")
             self.c = self.c + difference.mul_(weights).nan_to_num_(nan=0.0, posinf=inf, neginf=-inf).sum(1)
@@ -239,6 +244,9 @@ class _HeadStatsFunction(torch.autograd.Function):
         logprobs, ent, kl, ref_logprobs, lse, ref_lse = (
             inputs.new_zeros(N, dtype=stat_dtype(blocks.dtype)) for _ in range(6)
         )
+        # a single block (a small vocabulary and batch) is kept for the backward instead of recomputed
+        keep = any(ctx.needs_input_grad[:3]) and blocks.single and blocks.head.softcap is None
+        kept: tuple[Tensor, Tensor | None] | None = None
         with torch.no_grad(), torch.autocast(inputs.device.type, enabled=False):
             for rows in blocks.chunks():
                 r0, r1 = rows
@@ -248,9 +256,14 @@ class _HeadStatsFunction(torch.autograd.Function):
                 for ids in blocks.slices():
                     z = blocks.head.logits(blocks.raw(rows, ids), blocks.temperature)
                     y = blocks.reference(rows, ids) if with_ref else None
-                    policy.add(z, _picked(z, tok, ids[0]), y)  # overwrites z (`add` reads y first, keeps it)
+                    policy.add(z, _picked(z, tok, ids[0]), y)  # shifts z in place (`add` reads y first)
                     if y is not None:
-                        ref.add(y, _picked(y, tok, ids[0]))
+                        ref.add(y, _picked(y, tok, ids[0]))  # shifts y in place
+                    if keep:  # z - max - log s = log p, y - max - log s_ref = log q
+                        kept = (
+                            z.sub_(policy.s.log()[:, None]),
+                            y.sub_(ref.s.log()[:, None]) if y is not None else None,
+                        )
                     del z, y  # before the next slice's: one block alive at a time
                 lse[r0:r1] = policy.lse()
                 logprobs[r0:r1] = policy.picked - lse[r0:r1]
@@ -261,7 +274,7 @@ class _HeadStatsFunction(torch.autograd.Function):
                     kl[r0:r1] = policy.c / policy.s - lse[r0:r1] + ref_lse[r0:r1]
                     ref_logprobs[r0:r1] = ref.picked - ref_lse[r0:r1]
         ctx.save_for_backward(inputs, weight, bias, tokens, lse, ent, kl, ref_lse)
-        ctx.blocks, ctx.entropy = blocks, entropy
+        ctx.blocks, ctx.entropy, ctx.kept = blocks, entropy, kept
         ctx.mark_non_differentiable(ref_logprobs)
         ctx.set_materialize_grads(False)
         return logprobs, ent, kl, ref_logprobs
@@ -288,15 +301,23 @@ class _HeadStatsFunction(torch.autograd.Function):
                 g_ent = grad_entropy[r0:r1, None] if grad_entropy is not None else None
                 g_kl = grad_kl[r0:r1, None] if grad_kl is not None else None
                 for ids in blocks.slices():
-                    raw = blocks.raw(rows, ids)  # (n, v)
-                    slope = head.logit_slope(raw, tau)
-                    logp = head.logits(raw, tau).sub_(lse[r0:r1, None]).clamp_(min=_LOWEST)  # (n, v)
+                    kept, ctx.kept = ctx.kept, None  # the one block the forward kept, used once
+                    slope: Tensor | float
+                    if kept is not None:
+                        raw, slope, logp = None, head.scale / tau, kept[0]
+                    else:
+                        raw = blocks.raw(rows, ids)  # (n, v)
+                        slope = head.logit_slope(raw, tau)
+                        logp = head.logits(raw, tau).sub_(lse[r0:r1, None]).clamp_(min=_LOWEST)  # (n, v)
                     # dlogp_y/dz = onehot_y - p; d(-H)/dz = p (log p + H); dKL/dz = p (log p - log q - KL)
                     coefficient = torch.zeros_like(logp) if g_lp is None else g_lp.expand_as(logp).clone()
                     if g_ent is not None:
                         coefficient.add_(g_ent * (logp + ent[r0:r1, None]))
                     if g_kl is not None:
-                        logq = blocks.reference(rows, ids).sub_(ref_lse[r0:r1, None]).clamp_(min=_LOWEST)
+                        if kept is not None and kept[1] is not None:
+                            logq = kept[1]
+                        else:
+                            logq = blocks.reference(rows, ids).sub_(ref_lse[r0:r1, None]).clamp_(min=_LOWEST)
                         coefficient.sub_(g_kl * logq.neg_().add_(logp).sub_(kl[r0:r1, None]))
                         del logq
                     grad_z = coefficient.mul_(logp.exp_()).neg_()  # (n, v)
@@ -305,7 +326,7 @@ class _HeadStatsFunction(torch.autograd.Function):
                         inside = ((index >= 0) & (index < ids[1] - ids[0])).nonzero().squeeze(1)
                         grad_z[inside, index[inside]] += g_lp[inside, 0]
                     grads.add(blocks, rows, ids, grad_z.mul_(slope))
-                    del raw, slope, logp, coefficient, grad_z  # before the next slice's
+                    del raw, slope, logp, coefficient, grad_z, kept  # before the next slice's
         grad_bias = grads.bias.to(bias.dtype) if grads.bias is not None else None
         return grads.inputs, grads.weight, grad_bias, None, None, None
 

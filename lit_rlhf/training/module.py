@@ -46,6 +46,7 @@ from lit_rlhf.training.batching import micro_batches, padding_fraction
 from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.forwards import ModelForwards
+from lit_rlhf.training.host_memory import return_freed_memory_on_cpu
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
@@ -53,7 +54,6 @@ from lit_rlhf.training.sharding import (
     check_fsdp2_settings,
     is_fsdp2,
     reshard_frozen,
-    return_freed_memory_on_cpu,
     shard_module_models,
 )
 from lit_rlhf.training.state import ExactResume, TrainingState

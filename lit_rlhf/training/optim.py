@@ -19,8 +19,8 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError, LRSchedule, check_precision
 from lit_rlhf.training.hooks import ManagedHooks
+from lit_rlhf.training.host_memory import return_freed_memory_on_cpu
 from lit_rlhf.training.run_folder import RunFolderGuard
-from lit_rlhf.training.sharding import return_freed_memory_on_cpu
 from lit_rlhf.training.state import TrainingState
 
 

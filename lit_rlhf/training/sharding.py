@@ -9,17 +9,14 @@ tensor_parallel_size=1, process_group_backend="gloo")` with `accelerator="cpu"`)
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
-import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
+from lit_rlhf.training.host_memory import return_freed_memory
 
 
 def is_fsdp2(trainer: Any) -> bool:
@@ -143,30 +140,3 @@ def reshard_frozen(model: nn.Module | None) -> None:
         return
     if isinstance(model, FSDPModule):
         model.reshard()
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim`, or None on another C library."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    name = ctypes.util.find_library("c")
-    return None if name is None else ctypes.CDLL(name).malloc_trim
-
-
-def return_freed_memory_on_cpu(device: Any) -> None:
-    """`return_freed_memory` when `device` is a CPU: between the phases of a step the gathered or sampled tensors
-    of the one before are free, but glibc keeps their pages, and the next phase's peak would come on top of them."""
-    if getattr(device, "type", None) == "cpu":
-        return_freed_memory()
-
-
-def return_freed_memory() -> None:
-    """Hand the pages glibc's allocator holds free back to the system (`malloc_trim(0)`).
-
-    On CPU the gathered policy (hundreds of MiB, freed at each reshard) lands in the allocator's heap, which keeps
-    freed pages resident; handing them back after each rollout lowers the peak RSS of an FSDP2 fit on CPU
-    (docs/distributed.md). A no-op off glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

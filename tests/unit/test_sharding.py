@@ -286,16 +286,3 @@ def test_save_policy_of_a_sharded_lora_policy_writes_the_unsharded_export(one_pr
         loaded = PeftModel.from_pretrained(plain, path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, expected)
-
-
-def test_freed_memory_goes_back_through_glibcs_malloc_trim():
-    import platform
-
-    from lit_rlhf.training import sharding
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        assert sharding._malloc_trim() is None  # nothing to call elsewhere
-        return
-    trim = sharding._malloc_trim()
-    assert trim is not None and trim(0) in (0, 1)  # 1: memory was released, 0: none was
-    sharding.return_freed_memory()
