@@ -11,7 +11,6 @@ import torch
 
 from conftest import EOS_ID, PAD_ID, forward_logits, generate, make_policy, prompt_batch, response_logits
 from lit_rlhf.algorithms import losses
-from lit_rlhf.algorithms.chunked_logprobs import CHUNK_TOKENS
 from lit_rlhf.algorithms.experience import (
     compute_advantages,
     frozen_forward,
@@ -354,10 +353,8 @@ def collect_experience(
     exact_kl = ref is not None and algo.kl_estimator == "full"
     ref_logprobs = None
     if ref is not None and not exact_kl:
-        ref_logprobs = response_stats(ref, rollout, sampling.temperature, CHUNK_TOKENS, entropy=False).logprobs
-    sampling_policy = policy_forward(
-        actor_critic, rollout, sampling.temperature, CHUNK_TOKENS, ref if exact_kl else None
-    )
+        ref_logprobs = response_stats(ref, rollout, sampling.temperature, None, entropy=False).logprobs
+    sampling_policy = policy_forward(actor_critic, rollout, sampling.temperature, None, ref if exact_kl else None)
     return make_experience(rollout, algo, sampling_policy, ref_logprobs), timings
 
 
