@@ -51,7 +51,7 @@ def chat_end_of_turn_id(tokenizer: Any) -> int | None:
     if not isinstance(text, str) or _MARKER not in text:
         return None
     after = text.split(_MARKER, 1)[1].lstrip(" ")
-    added = getattr(tokenizer, "get_added_vocab", dict)()
+    added: dict[str, int] = getattr(tokenizer, "get_added_vocab", dict)()
     for spelling in sorted(added, key=len, reverse=True):  # the longest first: `<|im_end|>` before `<|im`
         if spelling and after.startswith(spelling):
             return int(added[spelling])
