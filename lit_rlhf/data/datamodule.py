@@ -204,8 +204,10 @@ class RolloutDataModule(L.LightningDataModule):
         predict_prompts: for the predict loop, as `test_prompts`; None: the validation prompts.
         val_batch_size: prompts per held-out batch and process; None: `batch_size`.
         val_size: rows drawn from a `builtin:<task>` held-out set.
-        prompt_split, val_split, test_split, predict_split: the split read when `prompts`, `val_prompts`,
-            `test_prompts` or `predict_prompts` is a `datasets.DatasetDict` (None: refuse a DatasetDict).
+        prompt_split: the split read when `prompts` is a `datasets.DatasetDict` (None: refuse a DatasetDict).
+        val_split: the same for `val_prompts`.
+        test_split: the same for `test_prompts`.
+        predict_split: the same for `predict_prompts`.
     """
 
     # held-out prompts are sharded row by row, so a rank can have none when there are fewer rows than ranks

@@ -33,9 +33,9 @@ from lit_rlhf.config import (
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
-from lit_rlhf.models.lora import lora_config
+from lit_rlhf.models.lora import lora_config, lora_settings
 from lit_rlhf.rewards.composer import RewardComposer, RewardIsolation
-from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
+from lit_rlhf.rewards.functions import RewardFns, function_list, resolve_reward_fns
 from lit_rlhf.rollout.collect import RolloutSettings
 from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
@@ -58,6 +58,7 @@ from lit_rlhf.training.sharding import (
 )
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
+from lit_rlhf.training.trainer_state import reward_trainer_state
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
@@ -73,14 +74,20 @@ class RLHFModule(
         reference: frozen reference policy (name or instance); defaults to a frozen copy of `policy`.
         reward_model: sequence-classification reward model (name, folder or instance), or None.
         reward_tokenizer: the reward model's tokenizer when it differs from the policy's; None: shared ids.
-        reward_fns, reward_weights: reward functions (dotted paths or callables) `fn(prompts, responses, **meta)`
-            and one weight each (default 1); `reward_model_weight` weighs the reward model's score.
+        reward_fns: reward functions (dotted paths or callables) `fn(prompts, responses, **meta)`.
+        reward_weights: one weight per reward function (default 1 each).
+        reward_model_weight: the weight of the reward model's score.
         nan_score: replace NaN scores from reward functions by this value (default: NaN is an error).
-        reward_timeout_s, reward_workers: seconds a reward call may run (None: no limit); threads for them (0: none).
+        reward_timeout_s: seconds a reward call may run (None: no limit).
+        reward_workers: threads that run the reward calls (0: none, the calls run in turn).
         reward_isolation: 'thread' or 'process' (worker processes killed at the limit: a hard bound; docs/settings.md).
-        algorithm, sampling: the PPO/GRPO settings and the generation settings.
-        lr, weight_decay, betas, warmup_steps, lr_schedule: AdamW over the trainable parameters, linear
-            warm-up, then 'constant', 'linear' or 'cosine' decay to max_steps.
+        algorithm: the PPO/GRPO settings.
+        sampling: the generation settings.
+        lr: AdamW's learning rate over the trainable parameters.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
+        warmup_steps: optimizer steps of linear warm-up.
+        lr_schedule: after the warm-up, 'constant', 'linear' or 'cosine' decay to max_steps.
         separate_critic: the value head gets its own copy of the backbone instead of sharing the policy's.
         gradient_checkpointing: recompute activations in backward to save memory.
         log_samples_every_n_steps: prompt/response samples every this many rollouts (0: never).
@@ -89,7 +96,8 @@ class RLHFModule(
         lora: LoRA adapters on the policy (needs `peft`), e.g. {r: 8, alpha: 16}; the reference is then the
             same weights with the adapters disabled. None: full fine-tuning.
         metric_fns: held-out metrics that never train (reward-function contract), logged as `val/<name>`.
-        val_sampling, val_samples_per_prompt: how held-out prompts are answered (default: greedy, one each).
+        val_sampling: how held-out prompts are answered (default: greedy).
+        val_samples_per_prompt: answers per held-out prompt (default: one).
         environment: multi-turn rollouts against this environment (docs/multi-turn.md); None: single-turn.
         overlap_scoring: score each rollout on a background thread while phase 3's forwards run (same results).
         memory_check: at fit start, before the models load, plan the memory per device ('error': refuse a plan
@@ -104,7 +112,7 @@ class RLHFModule(
         reference: Any = None,
         reward_model: Any = None,
         reward_tokenizer: Any = None,
-        reward_fns: Sequence[str | RewardFn] | None = None,
+        reward_fns: RewardFns | None = None,
         reward_weights: Sequence[float] | None = None,
         reward_model_weight: float = 1.0,
         nan_score: float | None = None,
@@ -124,7 +132,7 @@ class RLHFModule(
         trust_remote_code: bool = False,
         max_consecutive_skips: int = 3,
         lora: dict[str, Any] | None = None,
-        metric_fns: Sequence[str | RewardFn] | None = None,
+        metric_fns: RewardFns | None = None,
         val_sampling: SamplingConfig | None = None,
         val_samples_per_prompt: int = 1,
         environment: EnvironmentConfig | None = None,
@@ -134,6 +142,8 @@ class RLHFModule(
     ):
         super().__init__()
         self.automatic_optimization = False
+        reward_fns, metric_fns = function_list(reward_fns), function_list(metric_fns)  # one function: a list of one
+        lora = lora_settings(lora)  # a peft LoraConfig as its settings (plain data in hparams and checkpoints)
         self.algorithm, self.sampling = algorithm_and_sampling(algorithm, sampling)
         check_module_settings(locals(), self.sampling)  # every argument, before any model loads
         algo = self.algorithm
@@ -214,6 +224,7 @@ class RLHFModule(
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
         values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
         values.update(sampler_metrics(experience))
+        values.update(logs.reward_part_metrics(experience, self.reward.names()))
         values.update({**timings.metrics, **overlap_metrics(timings)})
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})
@@ -226,7 +237,10 @@ class RLHFModule(
         """Hook: one score per response, (B,) float. Default: the weighted reward functions and reward model.
         Every rollout and every held-out evaluation is scored here (truncation handling comes after)."""
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
-        scores = self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated)
+        state = reward_trainer_state(self._trainer, self.algorithm)  # TRL's `trainer_state`, for functions taking it
+        scores = self.reward(
+            prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated, trainer_state=state
+        )
         reshard_frozen(self.reward_model)  # FSDP2
         return scores
 

@@ -138,7 +138,8 @@ class PreferenceDataModule(L.LightningDataModule):
         max_length: token limit of prompt + response (+ EOS); longer texts lose their start, with a warning.
         append_eos: end every text with the tokenizer's EOS (PPO reads the score at the response's EOS).
         tokenizer: defaults to the module's tokenizer.
-        num_builtin_train, num_builtin_val: sizes of the built-in sets.
+        num_builtin_train: pairs in the built-in training set.
+        num_builtin_val: pairs in the built-in held-out set.
         seed: the built-in sets' seed (the held-out set uses a different stream) and the shuffling order.
         num_workers: DataLoader workers.
     """
@@ -208,7 +209,9 @@ class RewardModelModule(L.LightningModule):
             `AutoModelForSequenceClassification.from_pretrained(num_labels=1)` (a causal LM checkpoint gets a
             new, randomly initialised score head), or an instance with one output.
         tokenizer: name, folder or instance; defaults to `model`'s.
-        lr, weight_decay, betas: AdamW over the trainable parameters.
+        lr: AdamW's learning rate over the trainable parameters.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
         warmup_steps: linear warm-up of the learning rate.
         save_dir: folder for `save_pretrained` of the model and tokenizer at the end of fit (None: no save).
             Name it in a PPO config as `model.reward_model`.
