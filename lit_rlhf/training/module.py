@@ -33,9 +33,9 @@ from lit_rlhf.config import (
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
-from lit_rlhf.models.lora import lora_config, lora_settings
+from lit_rlhf.models.lora import lora_config
 from lit_rlhf.rewards.composer import RewardComposer, RewardIsolation
-from lit_rlhf.rewards.functions import RewardFns, function_list, resolve_reward_fns
+from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
 from lit_rlhf.rollout.collect import RolloutSettings
 from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
@@ -58,7 +58,6 @@ from lit_rlhf.training.sharding import (
 )
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
-from lit_rlhf.training.trainer_state import reward_trainer_state
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
@@ -112,7 +111,7 @@ class RLHFModule(
         reference: Any = None,
         reward_model: Any = None,
         reward_tokenizer: Any = None,
-        reward_fns: RewardFns | None = None,
+        reward_fns: Sequence[str | RewardFn] | None = None,
         reward_weights: Sequence[float] | None = None,
         reward_model_weight: float = 1.0,
         nan_score: float | None = None,
@@ -132,7 +131,7 @@ class RLHFModule(
         trust_remote_code: bool = False,
         max_consecutive_skips: int = 3,
         lora: dict[str, Any] | None = None,
-        metric_fns: RewardFns | None = None,
+        metric_fns: Sequence[str | RewardFn] | None = None,
         val_sampling: SamplingConfig | None = None,
         val_samples_per_prompt: int = 1,
         environment: EnvironmentConfig | None = None,
@@ -142,8 +141,6 @@ class RLHFModule(
     ):
         super().__init__()
         self.automatic_optimization = False
-        reward_fns, metric_fns = function_list(reward_fns), function_list(metric_fns)  # one function: a list of one
-        lora = lora_settings(lora)  # a peft LoraConfig as its settings (plain data in hparams and checkpoints)
         self.algorithm, self.sampling = algorithm_and_sampling(algorithm, sampling)
         check_module_settings(locals(), self.sampling)  # every argument, before any model loads
         algo = self.algorithm
@@ -224,7 +221,6 @@ class RLHFModule(
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
         values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
         values.update(sampler_metrics(experience))
-        values.update(logs.reward_part_metrics(experience, self.reward.names()))
         values.update({**timings.metrics, **overlap_metrics(timings)})
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})
@@ -237,10 +233,7 @@ class RLHFModule(
         """Hook: one score per response, (B,) float. Default: the weighted reward functions and reward model.
         Every rollout and every held-out evaluation is scored here (truncation handling comes after)."""
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
-        state = reward_trainer_state(self._trainer, self.algorithm)  # TRL's `trainer_state`, for functions taking it
-        scores = self.reward(
-            prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated, trainer_state=state
-        )
+        scores = self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated)
         reshard_frozen(self.reward_model)  # FSDP2
         return scores
 
