@@ -12,8 +12,9 @@ read as YAML). Printed per seed and as mean [min, max] over seeds:
   reward       mean `rollout/reward_mean` over the last `--window` rollouts
   held-out     `val/sorted_exactly` after the last step; best: its highest value during the run
   expl. var.   mean `value/explained_variance` over the last `--window` rollouts (critics only)
-The PNG (drawn with Pillow, which transformers already installs) has one panel per curve: the training reward
-(a running mean over `--window` rollouts) and the held-out accuracy, one thin line per seed and their mean thick.
+`--plot` (matplotlib, `pip install -e ".[plots]"`) draws one panel per curve against rollouts: the training reward
+(a running mean over `--window` rollouts) and the held-out accuracy, each seed thin, the seeds' min-max band and
+their mean. The curves go to `--out/curves.json` too; `--plot-from that.json --plot fig.png` redraws them alone.
 """
 
 from __future__ import annotations
@@ -157,31 +158,25 @@ def curves(args: argparse.Namespace) -> dict[str, dict[int, list[tuple[float, fl
     return panels
 
 
-def plot(args: argparse.Namespace, path: str) -> None:
-    """Two panels side by side, x = rollouts, y in [0, 1]: thin grey lines per seed, the mean thick and blue."""
-    from PIL import Image, ImageDraw
+def plot_title(args: argparse.Namespace) -> str:
+    settings = " ".join(args.set) or "as shipped"
+    return f"configs/{args.config}.yaml ({settings}), built-in task, {args.steps} optimizer steps"
 
-    width, height, margin = 480, 320, 40
-    panels = curves(args)
-    image = Image.new("RGB", (width * len(panels), height), "white")
-    draw = ImageDraw.Draw(image)
-    for index, (title, per_seed) in enumerate(panels.items()):
-        left = index * width
-        x_max = max(x for points in per_seed.values() for x, _ in points)
 
-        def at(x: float, y: float, left: int = left, x_max: float = x_max) -> tuple[float, float]:
-            return left + margin + (width - 2 * margin) * x / x_max, height - margin - (height - 2 * margin) * y
+def plot(panels: dict[str, dict[int, list[tuple[float, float]]]], title: str, path: str) -> None:
+    """One panel per curve against rollouts: each seed thin, the seeds' min-max band, their mean."""
+    from plotting import pyplot, save, seed_band  # scripts/ is on the path when run as a script
 
-        draw.rectangle([at(0, 1), at(x_max, 0)], outline="black")
-        for tick in (0.0, 0.5, 1.0):
-            draw.text((left + 8, at(0, tick)[1] - 6), f"{tick:.1f}", fill="black")
-        draw.text((left + margin, 10), f"{title}, {len(per_seed)} seeds, {x_max:.0f} rollouts", fill="black")
-        for points in per_seed.values():
-            draw.line([at(x, y) for x, y in points], fill=(170, 170, 170), width=1)
-        mean = [(x, statistics.fmean(p[i][1] for p in per_seed.values())) for i, (x, _) in enumerate(points)]
-        draw.line([at(x, y) for x, y in mean], fill=(30, 80, 200), width=3)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    image.save(path)
+    figure, axes = pyplot().subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for panel, (name, per_seed) in zip(axes[0], panels.items(), strict=True):
+        seed_band(
+            panel, {int(seed): [(p[0], p[1]) for p in points] for seed, points in per_seed.items()}, name, "tab:blue"
+        )
+        panel.set(xlabel="rollouts (one optimizer step each)", ylabel=name, ylim=(0, 1))
+        panel.grid(alpha=0.3)
+        panel.legend(loc="lower right", fontsize=8)
+    figure.suptitle(title)
+    save(figure, path)
 
 
 def main() -> None:
@@ -197,9 +192,17 @@ def main() -> None:
         "--ray-workers", type=int, default=0, help="train each seed with Ray Train on this many workers (ray extra)"
     )
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "multi_seed"))
-    parser.add_argument("--plot", help="write the curves to this PNG")
+    parser.add_argument("--plot", help="write the curves to this PNG (matplotlib: the plots extra)")
     parser.add_argument("--reuse", action="store_true", help="summarise the runs already under --out")
+    parser.add_argument("--plot-from", help="draw --plot from this curves.json (written beside summary.json) alone")
     args = parser.parse_args()
+    if args.plot_from:
+        if not args.plot:
+            raise SystemExit("--plot-from: give --plot, the PNG to write")
+        with open(args.plot_from) as handle:
+            recorded = json.load(handle)
+        plot(recorded["panels"], recorded["title"], args.plot)
+        return
     args.out = os.path.abspath(args.out)  # the runs' log folders, whatever folder a (Ray) worker runs in
     if not args.reuse:
         run_seeds(args)
@@ -207,8 +210,11 @@ def main() -> None:
     report(args, table)
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump({"config": args.config, "set": args.set, "steps": args.steps, **table}, handle, indent=1)
+    panels = curves(args)
+    with open(os.path.join(args.out, "curves.json"), "w") as handle:  # what --plot draws, kept for --plot-from
+        json.dump({"title": plot_title(args), "panels": panels}, handle)
     if args.plot:
-        plot(args, args.plot)
+        plot(panels, plot_title(args), args.plot)
 
 
 if __name__ == "__main__":

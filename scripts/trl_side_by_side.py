@@ -6,6 +6,7 @@ python scripts/trl_side_by_side.py --trl-python .venv-trl/bin/python --seeds 0 1
     --plot docs/img/trl_side_by_side.png
 python scripts/trl_side_by_side.py --report-only --seeds 0 1 --steps 30 --every 5 --plot docs/img/trl_side_by_side.png
 python scripts/trl_side_by_side.py --trl-python .venv-trl/bin/python --seeds 2 --steps 30 --every 5 --ours-extra-steps 5
+python scripts/trl_side_by_side.py --plot-from docs/data/trl_side_by_side.json --plot docs/img/trl_side_by_side.png
 
 The TRL interpreter needs `pip install torch==2.13.0` (first), then `pip install -e . "trl==1.16.*" peft` from this
 repository (its reward functions are ours, imported). Shared by both: LoRA r 8 / alpha 16 / dropout 0 on every
@@ -22,6 +23,10 @@ problems, `exact_answer`. Training runs go `--jobs` at a time with OMP_NUM_THREA
 `--ours-extra-steps K`: ours goes on for K more steps (adapters after each), TRL stops at `--steps`, to see when
 ours reaches TRL's final accuracy on TRL's wall-clock. The first `--steps` are the same run either way (a constant
 learning rate, seeded: the adapters are bit-identical); the table keeps to the shared steps.
+
+`--plot` (matplotlib, `pip install -e ".[plots]"`) draws the held-out accuracy against optimizer steps, the mean
+over seeds with their min-max band, and each seed's training seconds per step; `--plot-from` draws it from a
+summary.json alone (docs/data/trl_side_by_side.json holds the runs recorded in docs/migrating-from-trl.md).
 """
 
 from __future__ import annotations
@@ -315,34 +320,51 @@ def report(args: argparse.Namespace) -> None:
     with open(os.path.join(args.out, "summary.json"), "w") as handle:
         json.dump({f"{impl}_seed{seed}": points for (impl, seed), points in runs.items()}, handle, indent=1)
     if args.plot:
-        plot(runs, args.plot)
+        plot(runs, args.plot, args.steps)
 
 
-def plot(runs: dict[tuple[str, int], list[dict[str, float]]], path: str) -> None:
-    """Two panels, accuracy against optimizer steps and against training wall-clock: one line per run, ours
-    blue and TRL's orange."""
-    from PIL import Image, ImageDraw
+def load_runs(path: str) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """Runs from a summary.json this script wrote, or a recorded file of the same shape under "runs"."""
+    with open(path) as handle:
+        data = json.load(handle)
+    runs = {}
+    for name, points in data.get("runs", data).items():
+        implementation, _, seed = name.rpartition("_seed")
+        runs[implementation, int(seed)] = points
+    return runs
 
-    width, height, margin = 480, 320, 40
-    colours = {"ours": (30, 80, 200), "trl": (230, 120, 20)}
-    image = Image.new("RGB", (2 * width, height), "white")
-    draw = ImageDraw.Draw(image)
-    for index, (axis, label) in enumerate((("step", "optimizer steps"), ("train_s", "training seconds"))):
-        left = index * width
-        x_max = max(point[axis] for points in runs.values() for point in points)
 
-        def at(x: float, y: float, left: int = left, x_max: float = x_max) -> tuple[float, float]:
-            return left + margin + (width - 2 * margin) * x / x_max, height - margin - (height - 2 * margin) * y
+def plot(runs: dict[tuple[str, int], list[dict[str, float]]], path: str, steps: int) -> None:
+    """Two panels: held-out accuracy against optimizer steps (mean over seeds, min-max band, each seed thin),
+    and each seed's training seconds per optimizer step over the first `steps` steps."""
+    from plotting import pyplot, save, seed_band  # scripts/ is on the path when run as a script
 
-        draw.rectangle([at(0, 1), at(x_max, 0)], outline="black")
-        for tick in (0.0, 0.5, 1.0):
-            draw.text((left + 8, at(0, tick)[1] - 6), f"{tick:.1f}", fill="black")
-        draw.text((left + margin, 10), f"held-out accuracy vs {label} (0 to {x_max:.0f})", fill="black")
-        draw.text((left + margin, height - 25), "blue: lit_rlhf   orange: TRL", fill="black")
-        for (implementation, _), points in runs.items():
-            draw.line([at(p[axis], p["accuracy"]) for p in points], fill=colours[implementation], width=2)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    image.save(path)
+    plt = pyplot()
+    figure, (curves, speed) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    colours, names = {"ours": "tab:blue", "trl": "tab:orange"}, {"ours": "lit_rlhf", "trl": "TRL 1.16"}
+    seeds = sorted({seed for _, seed in runs})
+    for implementation in IMPLEMENTATIONS:
+        shared = {
+            seed: [(p["step"], p["accuracy"]) for p in runs[implementation, seed] if p["step"] <= steps]
+            for seed in seeds
+        }
+        seed_band(curves, shared, names[implementation], colours[implementation])
+        last = [next(p for p in runs[implementation, seed] if p["step"] == steps) for seed in seeds]
+        offset = -0.2 if implementation == "ours" else 0.2
+        per_step = [p["train_s"] / steps for p in last]
+        speed.bar([i + offset for i in range(len(seeds))], per_step, width=0.4, color=colours[implementation])
+        speed.plot([], [], color=colours[implementation], linewidth=6, label=names[implementation])
+    curves.set(xlabel="optimizer step", ylabel="held-out exact accuracy (200 problems, greedy)", ylim=(0, 1))
+    curves.set_title("SmolLM2-135M-Instruct, LoRA GRPO, arithmetic")
+    curves.grid(alpha=0.3)
+    curves.legend(loc="lower right", fontsize=8)
+    speed.set(xlabel="seed", ylabel=f"training seconds per step (first {steps})", xticks=range(len(seeds)))
+    speed.set_xticklabels([str(seed) for seed in seeds])
+    speed.set_title("wall-clock, 2-core CPU, one core each")
+    speed.grid(axis="y", alpha=0.3)
+    speed.set_ylim(0, speed.get_ylim()[1] * 1.2)  # room for the legend above the bars
+    speed.legend(loc="upper right", ncol=2, fontsize=8)
+    save(figure, path)
 
 
 def main() -> None:
@@ -357,7 +379,8 @@ def main() -> None:
     parser.add_argument("--each-after", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "trl_side_by_side"))
-    parser.add_argument("--plot", help="write the curves to this PNG")
+    parser.add_argument("--plot", help="write the curves to this PNG (matplotlib: the plots extra)")
+    parser.add_argument("--plot-from", help="draw --plot from this summary.json (or recorded runs) alone")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--worker", choices=(*IMPLEMENTATIONS, "eval"), help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -376,6 +399,11 @@ def main() -> None:
         return
     if args.steps % args.every:
         raise SystemExit(f"--steps {args.steps} must be a multiple of --every {args.every}")
+    if args.plot_from:
+        if not args.plot:
+            raise SystemExit("--plot-from: give --plot, the PNG to write")
+        plot(load_runs(args.plot_from), args.plot, args.steps)
+        return
     if not args.report_only:
         if not args.trl_python:
             raise SystemExit("--trl-python: give an interpreter with trl installed (see this script's docstring)")
