@@ -118,6 +118,19 @@ class ResumingCLI(CheckedCLI):
             logger.init_args.version = version
 
 
+def is_plain_version(version: Any) -> bool:
+    """A logger version that names one folder inside the logger's own (`version_3`, 3, `my-run`): never a path
+    (a separator, '..', an absolute path) that would let a checkpoint choose where the logs are written."""
+    if isinstance(version, int) and not isinstance(version, bool):
+        return version >= 0
+    return (
+        isinstance(version, str)
+        and version not in ("", ".", "..")
+        and all(c.isalnum() or c in "._-=" for c in version)
+        and len(version) <= 255
+    )
+
+
 # Settings that are dataclasses inside the model's section: their keys are checked against the dataclass.
 NESTED_SETTINGS = {"algorithm": AlgorithmConfig, "sampling": SamplingConfig, "val_sampling": SamplingConfig}
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -187,7 +200,14 @@ def saved_logger_version(path: str) -> int | str | None:
     except Exception:  # the fit itself reports an unreadable checkpoint, naming it
         return None
     version = checkpoint.get(CHECKPOINT_KEY, {}).get("logger_version") if isinstance(checkpoint, dict) else None
-    return version if isinstance(version, (int, str)) else None
+    if version is None or is_plain_version(version):
+        return version
+    warnings.warn(
+        f"checkpoint {path}: its logger version {version!r} is not a plain folder name; the resumed run logs into a "
+        "new version instead (set trainer.logger.init_args.version to choose one)",
+        stacklevel=2,
+    )
+    return None
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
@@ -247,11 +267,14 @@ def export_checkpoint(
     overwrite: bool = False,
     policy: str | None = None,
     tokenizer: str | None = None,
+    trust_remote_code: bool = False,
 ) -> str:
     """The policy of an `RLHFModule` checkpoint as a Hugging Face folder (see `lit_rlhf.models.export`).
 
     `policy` / `tokenizer`: where to rebuild them from when the checkpoint does not name them (a module built
     from model instances) or names a folder that moved; the checkpoint's weights are then loaded into them.
+    Nothing the checkpoint names is imported or run (its environment is not rebuilt, its reward functions are
+    not needed); `trust_remote_code`: let the model folders it names run their own code.
     Returns the folder's absolute path. `out` is checked first (an existing folder needs `overwrite`, and is then
     replaced only when it holds a previous export or Hugging Face files), before the checkpoint is read.
     """
@@ -260,14 +283,20 @@ def export_checkpoint(
         with tempfile.TemporaryDirectory(prefix="lit-rlhf-export-") as folder:
             consolidated = os.path.join(folder, "consolidated.ckpt")
             consolidate_distributed_checkpoint(ckpt_path, consolidated)
-            return export_checkpoint(consolidated, out, merge_lora, overwrite, policy, tokenizer)
+            return export_checkpoint(consolidated, out, merge_lora, overwrite, policy, tokenizer, trust_remote_code)
     named = checkpoint_names_policy(ckpt_path)
     overrides: dict[str, Any] = {k: v for k, v in (("policy", policy), ("tokenizer", tokenizer)) if v is not None}
     # exporting scores nothing: the training's reward and metric functions (perhaps defined in a script that is
     # not importable here) are not needed
-    overrides.update(reward_fns=[_no_scoring_in_export], reward_weights=None, metric_fns=None)
+    overrides.update(reward_fns=[_no_scoring_in_export], reward_weights=None, metric_fns=None, environment=None)
+    if trust_remote_code:
+        overrides["trust_remote_code"] = True
     try:
         module = RLHFModule.load_from_checkpoint(ckpt_path, map_location="cpu", **overrides)
+    except CheckpointError as err:
+        if "trust_remote_code" in str(err):
+            raise CheckpointError(f"{err}; on the command line: lit-rlhf-export --trust-remote-code") from err
+        raise
     except Exception as err:
         if not named and policy is None:
             raise CheckpointError(
@@ -310,9 +339,14 @@ def export_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--policy", help="rebuild the policy from this name or folder (same architecture)")
     parser.add_argument("--tokenizer", help="rebuild the tokenizer from this name or folder")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="let the model folders the checkpoint names run their code"
+    )
     args = parser.parse_args(argv)
     try:
-        path = export_checkpoint(args.ckpt, args.out, args.merge_lora, args.overwrite, args.policy, args.tokenizer)
+        path = export_checkpoint(
+            args.ckpt, args.out, args.merge_lora, args.overwrite, args.policy, args.tokenizer, args.trust_remote_code
+        )
     except (ConfigError, FileNotFoundError) as err:
         raise SystemExit(f"lit-rlhf-export: error: {err}") from err
     print(path, file=sys.stdout)

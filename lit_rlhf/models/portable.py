@@ -75,6 +75,23 @@ def tokenizer_from_portable(spec: dict[str, Any]) -> Any:
 
     with tempfile.TemporaryDirectory() as folder:
         for name, data in spec[FILES_KEY].items():
+            if not is_plain_file_name(name):  # a checkpoint never chooses where a file is written
+                raise ValueError(
+                    f"tokenizer: the checkpoint's tokenizer files include {name!r}, not a plain file name (a path); "
+                    "the checkpoint is damaged or hostile; pass tokenizer=... to load_from_checkpoint"
+                )
             with open(os.path.join(folder, name), "wb") as handle:
                 handle.write(bytes(data.numpy()))
         return AutoTokenizer.from_pretrained(folder)
+
+
+def is_plain_file_name(name: Any) -> bool:
+    """One file name, no folder: no separator, not '.' or '..', not empty."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and os.sep not in name
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )

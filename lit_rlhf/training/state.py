@@ -21,7 +21,8 @@ from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.data.handoff import PromptSupply
 from lit_rlhf.models.build import ModelSpecs
 from lit_rlhf.models.reward_model import SequenceRewardModel
-from lit_rlhf.rewards.functions import RewardError, callable_path, import_callable
+from lit_rlhf.rewards.functions import callable_path
+from lit_rlhf.training.checkpoint_trust import load_arguments
 from lit_rlhf.training.sharding import is_fsdp2
 
 CHECKPOINT_KEY = "lit_rlhf"
@@ -184,33 +185,6 @@ def named_settings(specs: ModelSpecs, settings: dict[str, Any], **callables: Any
     return names
 
 
-class UnavailableFunction:
-    """Stands in for a reward or metric function that a checkpoint names but that cannot be imported here (it was
-    defined in a script): loading, exporting and generating work; scoring with it raises."""
-
-    def __init__(self, path: str, field: str):
-        self.path, self.field = path, field
-        self.__module__, _, self.__qualname__ = path.rpartition(".")  # callable_path gives `path` back
-
-    def __call__(self, prompts: list[str], responses: list[str], **meta: Any) -> Any:
-        raise RewardError(
-            f"{self.field}: {self.path!r} could not be imported when this module was loaded from its checkpoint; "
-            f"pass {self.field.split('.')[-1]}=[...] to load_from_checkpoint to score with it"
-        )
-
-
-def importable_or_standin(paths: Any, field: str) -> Any:
-    """The checkpoint's dotted paths, each one that does not import replaced by an `UnavailableFunction`."""
-    out = []
-    for path in paths:
-        try:
-            import_callable(path, field)
-            out.append(path)
-        except ConfigError:
-            out.append(UnavailableFunction(path, field))
-    return out
-
-
 def checkpoint_hparams(path: Any) -> dict[str, Any]:
     """A checkpoint's hyperparameters, read memory-mapped ({} when it cannot be read: the load reports that)."""
     try:
@@ -249,15 +223,16 @@ class ExactResume(L.LightningModule):
     prompt_supply: PromptSupply | None
 
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        """Lightning's `load_from_checkpoint`, which never needs the training's reward or metric functions: one
-        named by a dotted path that does not import here (defined in a script) becomes an `UnavailableFunction`,
-        so loading to export or generate works; pass `reward_fns=` / `metric_fns=` to score."""
-        missing = [key for key in ("reward_fns", "metric_fns") if key not in kwargs]
-        hparams = checkpoint_hparams(checkpoint_path) if missing else {}
-        for key in missing:
-            if hparams.get(key):
-                kwargs[key] = importable_or_standin(hparams[key], f"model.{key}")
+    def load_from_checkpoint(
+        cls, checkpoint_path: Any, *args: Any, trust_checkpoint_code: bool = False, **kwargs: Any
+    ) -> Any:
+        """Lightning's `load_from_checkpoint`, treating the checkpoint as data (`checkpoint_trust`): its reward and
+        metric functions are imported only when they are lit_rlhf's own or a registered task's (otherwise, and
+        when one does not import here, an `UnavailableFunction`: loading to export or generate works; pass
+        `reward_fns=` / `metric_fns=` to score), and an environment or `trust_remote_code` it names is refused
+        unless passed here. `trust_checkpoint_code=True`: import and run what a file you made names."""
+        hparams = checkpoint_hparams(checkpoint_path)
+        kwargs = load_arguments(checkpoint_path, hparams, kwargs, trust_checkpoint_code)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def record_named_settings(self, **callables: Any) -> None:
