@@ -8,6 +8,7 @@ import lightning as L
 import torch
 
 from lit_rlhf.training import metrics as logs
+from lit_rlhf.training.tensorboard_layout import write_first_screen
 from lit_rlhf.types import Experience
 
 
@@ -18,6 +19,11 @@ class StepLogging(L.LightningModule):
     algorithm: Any
     metric_window: logs.MetricWindow
     step_metrics: dict[str, float]
+
+    def on_train_start(self) -> None:
+        """Give every TensorBoard logger the custom-scalars layout it opens on (reward, held-out metrics, KL,
+        entropy, step time), once per fit."""
+        write_first_screen(self.loggers)
 
     def log_step(self, metrics: dict[str, float], experience: Experience) -> None:
         """Phase 5: the progress-bar reward every step; every metric, averaged over the steps since the last
