@@ -9,7 +9,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from conftest import make_policy
+from conftest import make_policy, make_trainer
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -52,15 +52,7 @@ def test_the_first_screen_charts_reward_held_out_kl_entropy_and_step_time(tokeni
     )
     init_args = {**tensorboard_init_args(CONFIGS / "grpo.yaml")[0], "save_dir": str(tmp_path)}
     logger = TensorBoardLogger(**init_args)
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=logger,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-    )
+    trainer = make_trainer(max_steps=2, logger=logger)
     trainer.fit(module, data)
     logger.experiment.flush()
 
