@@ -4,6 +4,7 @@ lit-rlhf fit --config configs/grpo.yaml                  # PPO / GRPO (also: pyt
 lit-rlhf-reward fit --config configs/reward_model.yaml   # a reward model on preference pairs
 lit-rlhf-export --ckpt runs/grpo/checkpoints/last.ckpt --out runs/grpo/policy   # a Hugging Face folder
 lit-rlhf-plan --config configs/grpo.yaml                 # the memory plan per device, before anything loads
+lit-rlhf check --config configs/grpo.yaml               # a preflight of the whole run (lit_rlhf.preflight)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_foreign_names
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import check_target, save_module_policy
+from lit_rlhf.preflight.run import check, refused_settings
 from lit_rlhf.training.checkpoint_io import (
     CheckpointError,
     check_checkpoint_file,
@@ -375,9 +377,41 @@ def plan_main(argv: list[str] | None = None) -> None:
         raise SystemExit("lit-rlhf-plan: error: " + refusal.split("\n", 1)[0])
 
 
+def check_main(argv: list[str] | None = None) -> int:
+    """`lit-rlhf check --config X [--dry-run N] [--device-memory-gb G] [--strict] [--model.x ...]`: the preflight
+    (`lit_rlhf.preflight`) printed as one report; returns the exit status (0: nothing blocks the run). Other
+    arguments go to the config parser as for `fit`."""
+    parser = argparse.ArgumentParser(
+        prog="lit-rlhf check",
+        description="Check a lit_rlhf training config before running it: settings, data, model and tokenizer, "
+        "rewards, memory, backends (nothing heavier than the tokenizer and the models' configs is loaded).",
+    )
+    parser.add_argument("--config", action="append", required=True, help="a config as for lit-rlhf fit")
+    parser.add_argument("--dry-run", type=int, default=0, metavar="N", help="load the models and run N real steps")
+    parser.add_argument("--device-memory-gb", type=float, help="plan against this many GiB (default: free now)")
+    parser.add_argument("--strict", action="store_true", help="exit status 1 on warnings too")
+    args, rest = parser.parse_known_args(argv)
+    title = "lit-rlhf check: " + " ".join(args.config + rest)
+    cli_args = [arg for path in args.config for arg in ("--config", path)] + rest
+    try:
+        with quiet_known_notices():
+            cli = CheckedCLI(RLHFModule, RolloutDataModule, run=False, args=cli_args, save_config_callback=None)
+    except ValueError as err:  # a ConfigError, or jsonargparse's ValueError around one
+        report = refused_settings(title, err)
+    else:
+        gb, steps = args.device_memory_gb, args.dry_run
+        report = check(cli.model, cli.datamodule, cli.trainer, device_memory_gb=gb, dry_run=steps, title=title)
+    print(report.render())
+    return report.exit_status(args.strict)
+
+
 def main_script() -> None:
     """Console script `lit-rlhf` and `train.py`: `main()` returns the LightningCLI object, which `sys.exit` would
-    print and turn into exit status 1; this returns None (status 0) after leaving the process group."""
+    print and turn into exit status 1; this returns None (status 0) after leaving the process group.
+    `lit-rlhf check ...` runs the preflight instead (`check_main`), before LightningCLI sees the arguments."""
+    if sys.argv[1:2] == ["check"]:
+        argv, sys.argv[1:] = sys.argv[2:], []  # LightningCLI warns when it is given both
+        raise SystemExit(check_main(argv))
     main()
     leave_process_group()
 

@@ -93,7 +93,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("lit_rlhf.rewards",),  # 4
     ("lit_rlhf.data", "lit_rlhf.rollout"),  # 5
     ("lit_rlhf.training",),  # 6
-    ("lit_rlhf.tasks",),  # 7
+    ("lit_rlhf.tasks", "lit_rlhf.preflight"),  # 7 (preflight: checks a whole run, below the CLI)
     ("lit_rlhf.cli",),  # 8
 ]
 
