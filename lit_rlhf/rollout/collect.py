@@ -15,7 +15,7 @@ from torch import Tensor
 from lit_rlhf.algorithms.losses import overlong_penalty
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
 from lit_rlhf.rollout.backends.base import RolloutBackend
-from lit_rlhf.rollout.generation import Generation, decode_responses
+from lit_rlhf.rollout.generation import EosIds, Generation, decode_responses
 from lit_rlhf.types import PromptBatch, Rollout
 
 ScoreFn = Callable[[list[str], list[str], dict[str, list[Any]], Generation], Tensor]
@@ -88,12 +88,14 @@ def repeat_rows(prompts: PromptBatch, group_size: int) -> tuple[list[str], dict[
 @dataclass
 class SingleTurnCollector:
     """One response per sample: `backend` generates, the tokenizer decodes (in the calling thread: it is not
-    thread-safe), `score` scores, then the settings' truncation score and over-long shaping apply."""
+    thread-safe) up to the first of the stop ids `eos_token_id` (the backend's; None: the tokenizer's own,
+    `stop_token_ids(tokenizer)`), `score` scores, then the settings' truncation score and over-long shaping apply."""
 
     backend: RolloutBackend
     tokenizer: Any
     score: ScoreFn
     settings: RolloutSettings
+    eos_token_id: EosIds | None = None
 
     @torch.no_grad()
     def sample(self, prompts: PromptBatch) -> tuple[Sampled, RolloutTimings]:
@@ -104,7 +106,7 @@ class SingleTurnCollector:
         timings.generate_s = time.perf_counter() - start
         start = time.perf_counter()
         texts, meta = repeat_rows(prompts, self.settings.group_size)
-        responses = decode_responses(self.tokenizer, gen.response_ids, gen.response_mask)
+        responses = decode_responses(self.tokenizer, gen.response_ids, gen.response_mask, self.eos_token_id)
         timings.score_s = time.perf_counter() - start
         return Sampled(gen, texts, responses, meta), timings
 

@@ -1,9 +1,14 @@
 """What every rollout backend returns (`Generation`: `group_size` responses per prompt on the response grid),
 the one post-processing of sampled ids (response mask up to the first EOS, pad after it, truncation flags), and
-decoding to text."""
+decoding to text.
+
+"EOS" here is any of the stop ids (`lit_rlhf.models.stop_ids.stop_token_ids`: the tokenizer's EOS, the generation
+config's and the chat template's end of turn); `eos_token_id` takes one id or several, as in Hugging Face
+`generate`, and a response ends at the first of them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +17,11 @@ from torch import Tensor
 
 from lit_rlhf.algorithms.losses import last_token_index
 from lit_rlhf.config import ConfigError
+from lit_rlhf.models.stop_ids import stop_token_ids
 from lit_rlhf.types import PromptBatch
+
+EosIds = int | Sequence[int]
+"""One id that ends a response, or several (a response ends at the first of them)."""
 
 
 @dataclass
@@ -39,12 +48,23 @@ class Generation:
         return self.prompt_ids.shape[1] + last_token_index(self.response_mask)
 
 
-def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
-    """(B, T) ids -> mask (B, T) bool up to and including the first EOS, truncated (B,) bool."""
-    is_eos = response_ids == eos_token_id
-    eos_seen_before = (is_eos.long().cumsum(dim=1) - is_eos.long()) > 0  # an EOS strictly earlier
+def eos_id_list(eos_token_id: EosIds) -> list[int]:
+    """`eos_token_id` (one id or several) as a list of ids."""
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(i) for i in eos_token_id]
+
+
+def is_eos(ids: Tensor, eos_token_id: EosIds) -> Tensor:
+    """Elementwise: is the id one of the stop ids? Same shape as `ids`, bool."""
+    return torch.isin(ids, torch.tensor(eos_id_list(eos_token_id), dtype=ids.dtype, device=ids.device))
+
+
+def response_mask_from_ids(response_ids: Tensor, eos_token_id: EosIds) -> tuple[Tensor, Tensor]:
+    """(B, T) ids -> mask (B, T) bool up to and including the first EOS (of any of the stop ids), truncated (B,)
+    bool."""
+    ended = is_eos(response_ids, eos_token_id)
+    eos_seen_before = (ended.long().cumsum(dim=1) - ended.long()) > 0  # an EOS strictly earlier
     mask = ~eos_seen_before
-    truncated = ~is_eos.any(dim=1)
+    truncated = ~ended.any(dim=1)
     return mask, truncated
 
 
@@ -52,7 +72,7 @@ def finish_generation(
     prompts: PromptBatch,
     group_size: int,
     raw: Tensor,
-    eos_token_id: int,
+    eos_token_id: EosIds,
     pad_token_id: int,
     logprobs: Tensor | None = None,
 ) -> Generation:
@@ -68,15 +88,19 @@ def finish_generation(
     return Generation(prompt_ids, prompt_mask, response_ids, response_mask, truncated, logprobs)
 
 
-def decode_responses(tokenizer: Any, response_ids: Tensor, response_mask: Tensor) -> list[str]:
-    """Response texts up to (not including) the first EOS.
+def decode_responses(
+    tokenizer: Any, response_ids: Tensor, response_mask: Tensor, eos_token_id: EosIds | None = None
+) -> list[str]:
+    """Response texts up to (not including) the first EOS; `eos_token_id` None: the tokenizer's stop ids
+    (`stop_token_ids(tokenizer)`: its EOS and its chat template's end of turn).
 
     Other special tokens the policy produced stay in the text, so a reward function sees exactly what was
     generated (skipping them would let a policy pad its answer with invisible tokens). A policy whose vocabulary
     is padded beyond its tokenizer can sample an id the tokenizer cannot decode: that is an error, never a
     token silently dropped from the text.
     """
-    keep = response_mask & (response_ids != tokenizer.eos_token_id)
+    stops = stop_token_ids(tokenizer) if eos_token_id is None else eos_token_id
+    keep = response_mask & ~is_eos(response_ids, stops)
     known = len(tokenizer)
     if (unknown := keep & ((response_ids >= known) | (response_ids < 0))).any():
         row, col = (int(i) for i in unknown.nonzero()[0])

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError
+from lit_rlhf.models.stop_ids import stop_token_ids
 from lit_rlhf.rollout.backends.base import RolloutBackend
 from lit_rlhf.rollout.collect import RolloutSettings, RolloutTimings, ScoreFn, repeat_rows
 from lit_rlhf.rollout.environment import (
@@ -32,7 +33,7 @@ from lit_rlhf.rollout.environment import (
     check_stop_strings,
     checked_step,
 )
-from lit_rlhf.rollout.generation import Generation, decode_responses
+from lit_rlhf.rollout.generation import EosIds, Generation, decode_responses, eos_id_list
 from lit_rlhf.types import PromptBatch, Rollout
 
 
@@ -137,6 +138,11 @@ class MultiTurnCollector:
     tokenizer: Any
     score: ScoreFn
     settings: RolloutSettings
+    eos_token_id: EosIds | None = None  # the stop ids that end a policy turn; None: `stop_token_ids(tokenizer)`
+
+    def __post_init__(self) -> None:
+        eos = stop_token_ids(self.tokenizer) if self.eos_token_id is None else self.eos_token_id
+        self.stop_ids = frozenset(eos_id_list(eos))
 
     @torch.no_grad()
     def collect(self, prompts: PromptBatch, policy_version: int = 0) -> tuple[Rollout, RolloutTimings]:
@@ -187,7 +193,7 @@ class MultiTurnCollector:
     ) -> None:
         """After a policy turn: the episode's reward, then its end or the environment's observation."""
         episode.reward += reward
-        if hit_limit or episode.tokens[-1] == self.tokenizer.eos_token_id or done:
+        if hit_limit or episode.tokens[-1] in self.stop_ids or done:
             episode.end(truncated=hit_limit)  # as single-turn: truncated when a turn hit its token limit
             return
         observed = self.tokenizer.encode(observation, add_special_tokens=False)
@@ -221,7 +227,7 @@ class MultiTurnCollector:
         response_ids, response_mask, context_mask = (x.to(device) for x in (response_ids, response_mask, context_mask))
         truncated = torch.tensor([e.truncated for e in episodes], dtype=torch.bool, device=device)
         attended = response_mask | context_mask
-        responses = decode_responses(self.tokenizer, response_ids, attended)
+        responses = decode_responses(self.tokenizer, response_ids, attended, sorted(self.stop_ids))
         conversation = Generation(prompt_ids, prompt_mask, response_ids, attended, truncated)
         scores = self.score(texts, responses, meta, conversation).to(device).float()
         scores = scores + torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
@@ -254,7 +260,7 @@ class MultiTurnCollector:
         for i, episode in enumerate(episodes):
             cap = min(limit, room[i])
             tokens = gen.response_ids[i][gen.response_mask[i]].tolist()[:cap]  # up to and including EOS
-            eos = bool(tokens) and tokens[-1] == tokenizer.eos_token_id
+            eos = bool(tokens) and tokens[-1] in self.stop_ids
             body = tokens[:-1] if eos else tokens
             cut = stop_cut(tokenizer, body, self.conversations.env.stop_strings)
             if cut is not None:

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlhf.models.forward import accepts_argument, cache_keyword, returned_cache
+from lit_rlhf.rollout.generation import EosIds, eos_id_list
 from lit_rlhf.rollout.static_decode import StaticDecoder
 
 
@@ -196,7 +197,7 @@ def sample(
     input_ids: Tensor,
     attention_mask: Tensor,
     max_new_tokens: int,
-    eos_token_id: int,
+    eos_token_id: EosIds,
     pad_token_id: int,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -215,7 +216,8 @@ def sample(
 
     input_ids, attention_mask (B0, P) -> `SampleOutput` with response_ids (B, T), B = B0 * group_size: the
     `group_size` samples of prompt i are rows i*G .. i*G+G-1 (one prefill per prompt, its KV cache repeated).
-    Stops early when every sequence has emitted `eos_token_id`; after its EOS a sequence gets `pad_token_id`.
+    A sequence ends at the first of the ids `eos_token_id` (one id or several, as in Hugging Face `generate`);
+    after it the sequence gets `pad_token_id`, and sampling stops early once every sequence has ended.
     `stop_check_every`: steps between "has every sequence ended?" checks, each a host synchronisation on an
     accelerator (None: 1 on CPU, 8 elsewhere). The output does not depend on it.
     `static_cache`: decode over a transformers `StaticCache` of fixed shapes (`lit_rlhf.rollout.static_decode`);
@@ -229,6 +231,7 @@ def sample(
     tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device) if return_logprobs else None
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
+    stop_ids = torch.tensor(eos_id_list(eos_token_id), dtype=torch.long, device=device)
     alive_before = torch.zeros(max_new_tokens, dtype=torch.bool, device=device)  # some sequence unfinished at step t
     # On an accelerator, asking "all finished?" synchronises with the host; do it every few steps there.
     check_every = stop_check_every or (1 if device.type == "cpu" else 8)
@@ -241,7 +244,7 @@ def sample(
         if logprobs is not None:
             logprobs[:, t] = _token_logprobs(logits, next_tokens, unfinished)
         alive_before[t] = unfinished.any()
-        unfinished = unfinished & (next_tokens != eos_token_id)
+        unfinished = unfinished & ~torch.isin(next_tokens, stop_ids)
         ran = t + 1
         if t + 1 == max_new_tokens or ((t + 1) % check_every == 0 and not bool(unfinished.any())):
             break

@@ -139,7 +139,8 @@ class HeldOutEvaluation(Rollouts):
         items = [prompts] if isinstance(prompts, str) or is_conversation(prompts) else list(prompts)
         batch = prompt_batch(self.tokenizer, items)
         settings = sampling if sampling is not None else self.val_sampling
-        collector = SingleTurnCollector(self.backend(settings), self.tokenizer, _no_score, RolloutSettings(n, settings))
+        backend, no_score = self.backend(settings), _no_score
+        collector = SingleTurnCollector(backend, self.tokenizer, no_score, RolloutSettings(n, settings), self.stop_ids)
         with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
             rollout, _ = collector.collect(batch, self.state.policy_version)
         return rollout.responses

@@ -12,12 +12,14 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.models.actor_critic import eval_mode
+from lit_rlhf.models.stop_ids import stop_id_disagreement, stop_token_ids
 from lit_rlhf.rewards.composer import RewardComposer
 from lit_rlhf.rewards.functions import RewardFn
 from lit_rlhf.rollout.backends.base import BackendContext, InProcessBackend, RolloutBackend
@@ -55,6 +57,7 @@ class Rollouts(L.LightningModule):
         self._async: AsyncRollouts | None = None  # with algorithm.max_staleness > 0, from the first step
         self._restored_in_flight: list[dict[str, Any]] = []  # a resumed checkpoint's rollouts sampled ahead
         self.rollout_seed = torch.initial_seed() % 2**62  # the asynchronous sampler's random streams start here
+        self._stop_ids: tuple[int, ...] | None = None  # from the policy's generation config, at the first rollout
 
     def compute_scores(
         self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], generation: Generation
@@ -93,14 +96,26 @@ class Rollouts(L.LightningModule):
                 "(FSDP2) shards; use strategy: ddp, or algorithm.max_staleness: 0"
             )
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids that end a response (`stop_token_ids`: the tokenizer's EOS, the policy's generation config's
+        and the chat template's end of turn), read once the policy is built; a disagreement is warned once."""
+        if self._stop_ids is None:
+            config = getattr(self.actor_critic.policy, "generation_config", None)
+            if (disagreement := stop_id_disagreement(self.tokenizer, config)) is not None:
+                rank_zero_warn(disagreement)
+            self._stop_ids = stop_token_ids(self.tokenizer, config)
+        return self._stop_ids
+
     def backend(self, sampling: SamplingConfig) -> RolloutBackend:
         """The backend `sampling.backend` names (one per name), synced to the policy's current version."""
         name, policy, version = sampling.backend, self.actor_critic.policy, self.state.policy_version
         if self._async is not None and name == self.rollout_settings.sampling.backend:
             return self._async.evaluation_backend()  # one engine per process: the paused sampler's
         if name not in self._backends:
-            eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-            context = BackendContext(policy, eos, pad, sampling, global_rank=self.global_rank)
+            context = BackendContext(
+                policy, self.stop_ids, self.tokenizer.pad_token_id, sampling, global_rank=self.global_rank
+            )
             self._backends[name] = (make_backend(context), version)
         backend, synced = self._backends[name]
         if synced != version:
@@ -117,8 +132,8 @@ class Rollouts(L.LightningModule):
         backend = self.backend(settings.sampling) if backend is None else backend
         tokenizer = self.tokenizer if tokenizer is None else tokenizer
         if self.conversations is None:
-            return SingleTurnCollector(backend, tokenizer, self.compute_scores, settings)
-        return MultiTurnCollector(self.conversations, backend, tokenizer, self.compute_scores, settings)
+            return SingleTurnCollector(backend, tokenizer, self.compute_scores, settings, self.stop_ids)
+        return MultiTurnCollector(self.conversations, backend, tokenizer, self.compute_scores, settings, self.stop_ids)
 
     def make_rollout(self, prompts: PromptBatch) -> tuple[Rollout | PendingRollout, RolloutTimings]:
         """Phase 2: generate and score with the current policy (in eval mode); with dynamic sampling, tied groups
@@ -166,7 +181,7 @@ class Rollouts(L.LightningModule):
     def sampler_collector(self, sampler: nn.Module, generator: torch.Generator) -> tuple[RolloutBackend, Collector]:
         """The asynchronous sampler's backend over its own copy of the policy and random stream, and a collector
         with its own tokenizer (the training thread keeps using the module's)."""
-        eos, pad, sampling = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id, self.rollout_settings.sampling
+        eos, pad, sampling = self.stop_ids, self.tokenizer.pad_token_id, self.rollout_settings.sampling
         backend, _ = self._backends.get(sampling.backend, (None, 0))
         if backend is None or isinstance(backend, InProcessBackend):  # those sample the module they were given
             backend = make_backend(BackendContext(sampler, eos, pad, sampling, generator, self.global_rank))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_rlhf.config import SamplingConfig
-from lit_rlhf.rollout.generation import Generation, finish_generation
+from lit_rlhf.rollout.generation import EosIds, Generation, finish_generation
 from lit_rlhf.types import PromptBatch
 
 
@@ -45,12 +45,13 @@ class RolloutBackend(Protocol):
 
 @dataclass(frozen=True)
 class BackendContext:
-    """What a backend is built from: the policy it samples, the token ids that end and pad a response, the sampling
+    """What a backend is built from: the policy it samples, the token ids that end a response (one or several:
+    `lit_rlhf.models.stop_ids.stop_token_ids`; a response ends at the first) and the one that pads it, the sampling
     settings (a backend's own options live there, e.g. `sampling.vllm`), the in-process samplers' generator (None:
     the global RNG) and this process's global rank (for backends shared between processes)."""
 
     policy: nn.Module
-    eos_token_id: int
+    eos_token_id: EosIds
     pad_token_id: int
     sampling: SamplingConfig
     generator: torch.Generator | None = None
@@ -65,7 +66,7 @@ class InProcessBackend:
     """
 
     def __init__(
-        self, policy: nn.Module, eos_token_id: int, pad_token_id: int, generator: torch.Generator | None = None
+        self, policy: nn.Module, eos_token_id: EosIds, pad_token_id: int, generator: torch.Generator | None = None
     ) -> None:
         self.policy, self.eos_token_id, self.pad_token_id = policy, eos_token_id, pad_token_id
         self.generator = generator  # None: the global RNG (seeded per rank by the module: exact resume)

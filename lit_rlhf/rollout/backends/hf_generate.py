@@ -7,6 +7,7 @@ from torch import Tensor
 
 from lit_rlhf.config import SamplingConfig
 from lit_rlhf.rollout.backends.base import InProcessBackend
+from lit_rlhf.rollout.generation import eos_id_list
 from lit_rlhf.types import PromptBatch
 
 
@@ -23,7 +24,7 @@ class GenerateBackend(InProcessBackend):
             do_sample=sampling.do_sample,
             max_new_tokens=sampling.max_new_tokens,
             **(shaping if sampling.do_sample else {}),
-            eos_token_id=self.eos_token_id,
+            eos_token_id=eos_id_list(self.eos_token_id),  # generate stops at the first of them
             pad_token_id=self.pad_token_id,
             use_cache=True,
         )

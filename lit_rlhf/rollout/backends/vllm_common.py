@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lit_rlhf.config import ConfigError, SamplingConfig, VLLMConfig
 from lit_rlhf.models.export import merged_copy, plain_policy
 from lit_rlhf.models.lora import has_adapters
+from lit_rlhf.rollout.generation import EosIds, eos_id_list
 
 VLLM_TESTED = ((0, 32), (0, 33))
 """The vLLM versions this code was tested with: from 0.32 up to (not including) 0.33."""
@@ -56,9 +57,10 @@ def request_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device if generator else None))
 
 
-def sampling_params(sampling: SamplingConfig, group_size: int, seed: int, eos_token_id: int) -> dict[str, Any]:
+def sampling_params(sampling: SamplingConfig, group_size: int, seed: int, eos_token_id: EosIds) -> dict[str, Any]:
     """vLLM's `SamplingParams` (or the completions request's fields) for `sampling`: `group_size` samples per
-    prompt, stopping at `eos_token_id` only, with the log-prob of each sampled token."""
+    prompt, stopping at the first of the ids `eos_token_id` (one or several), with the log-prob of each sampled
+    token."""
     shaping = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k}
     return {
         "n": group_size,
@@ -66,7 +68,7 @@ def sampling_params(sampling: SamplingConfig, group_size: int, seed: int, eos_to
         **(shaping if sampling.do_sample else {"temperature": 0.0}),
         "seed": seed,
         "logprobs": 0,  # the sampled token's log-prob only
-        "stop_token_ids": [eos_token_id],
+        "stop_token_ids": eos_id_list(eos_token_id),
         "ignore_eos": False,
     }
 

@@ -28,7 +28,7 @@ from lit_rlhf.rollout.backends.vllm_common import (
     response_grid,
     sampling_params,
 )
-from lit_rlhf.rollout.generation import Generation, finish_generation
+from lit_rlhf.rollout.generation import EosIds, Generation, finish_generation
 from lit_rlhf.types import PromptBatch
 
 
@@ -38,7 +38,7 @@ class VLLMEngineBackend:
     def __init__(
         self,
         policy: nn.Module,
-        eos_token_id: int,
+        eos_token_id: EosIds,
         pad_token_id: int,
         settings: VLLMConfig,
         generator: torch.Generator | None = None,

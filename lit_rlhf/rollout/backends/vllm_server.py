@@ -39,7 +39,7 @@ from lit_rlhf.rollout.backends.vllm_common import (
     response_grid,
     sampling_params,
 )
-from lit_rlhf.rollout.generation import Generation, finish_generation
+from lit_rlhf.rollout.generation import EosIds, Generation, finish_generation
 from lit_rlhf.types import PromptBatch
 
 PROBE_TOLERANCE = 0.05
@@ -53,7 +53,7 @@ class VLLMServerBackend:
     def __init__(
         self,
         policy: nn.Module,
-        eos_token_id: int,
+        eos_token_id: EosIds,
         pad_token_id: int,
         settings: VLLMConfig,
         rank: int = 0,
