@@ -20,13 +20,21 @@ from typing_extensions import Self
 
 @dataclass
 class PromptBatch:
-    """Tokenised prompts, left padded so every prompt ends at column P-1."""
+    """Tokenised prompts, left padded so every prompt ends at column P-1.
 
-    input_ids: Tensor  # (B0, P) long
-    attention_mask: Tensor  # (B0, P) long, 0 on left padding
-    texts: list[str]  # B0 prompt strings
-    meta: dict[str, list[Any]] = field(default_factory=dict)  # extra dataset columns, each a list of B0
-    position: int = 0  # rows of this rank's prompt stream consumed up to and including this batch
+    Attributes:
+        input_ids: (B0, P) long.
+        attention_mask: (B0, P) long, 0 on left padding.
+        texts: B0 prompt strings.
+        meta: extra dataset columns, each a list of B0.
+        position: rows of this rank's prompt stream consumed up to and including this batch.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    texts: list[str]
+    meta: dict[str, list[Any]] = field(default_factory=dict)
+    position: int = 0
 
     def to(self, device: torch.device | str) -> PromptBatch:
         return dataclasses.replace(
@@ -39,23 +47,38 @@ class PromptBatch:
 
 @dataclass(kw_only=True)
 class Rollout:
-    """What sampling and scoring produce: responses on the (B, T) response grid and one score each."""
+    """What sampling and scoring produce: responses on the (B, T) response grid and one score each.
 
-    prompt_ids: Tensor  # (B, P) long, left padded, each prompt repeated G times
-    prompt_mask: Tensor  # (B, P) long
-    response_ids: Tensor  # (B, T) long, right padded with pad after the first EOS
-    response_mask: Tensor  # (B, T) bool: first response token up to and including the first EOS
-    truncated: Tensor  # (B,) bool, no EOS within max_new_tokens
-    scores: Tensor  # (B,) float32, sequence scores after truncation handling
-    prompts: list[str] = field(default_factory=list)  # B prompt strings (each repeated G times)
-    responses: list[str] = field(default_factory=list)  # B decoded responses
-    meta: dict[str, list[Any]] = field(default_factory=dict)  # extra prompt columns, each a list of B
-    policy_version: int = 0  # number of optimizer updates the sampling policy had seen
-    # (B, T) bool: response tokens that are attended but not the policy's (a multi-turn environment's); None: none
+    Attributes:
+        prompt_ids: (B, P) long, left padded, each prompt repeated G times.
+        prompt_mask: (B, P) long.
+        response_ids: (B, T) long, right padded with pad after the first EOS.
+        response_mask: (B, T) bool: first response token up to and including the first EOS.
+        truncated: (B,) bool, no EOS within max_new_tokens.
+        scores: (B,) float32, sequence scores after truncation handling.
+        prompts: B prompt strings (each repeated G times).
+        responses: B decoded responses.
+        meta: extra prompt columns, each a list of B.
+        policy_version: number of optimizer updates the sampling policy had seen.
+        context_mask: (B, T) bool: response tokens that are attended but not the policy's (a multi-turn
+            environment's); None: none.
+        sampler_logprobs: (B, T) float32: the rollout backend's own log-probs of the sampled tokens (0
+            elsewhere), kept when it runs a model of its own (vLLM) for the mismatch metrics and
+            `algorithm.tis_cap`; None: the in-process samplers, whose log-probs are the trainer's by
+            construction.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    response_ids: Tensor
+    response_mask: Tensor
+    truncated: Tensor
+    scores: Tensor
+    prompts: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    meta: dict[str, list[Any]] = field(default_factory=dict)
+    policy_version: int = 0
     context_mask: Tensor | None = None
-    # (B, T) float32: the rollout backend's own log-probs of the sampled tokens (0 elsewhere), kept when it runs a
-    # model of its own (vLLM) for the mismatch metrics and `algorithm.tis_cap`; None: the in-process samplers,
-    # whose log-probs are the trainer's by construction
     sampler_logprobs: Tensor | None = None
 
     @property
@@ -100,15 +123,25 @@ class Rollout:
 
 @dataclass(kw_only=True)
 class Experience(Rollout):
-    """A rollout with everything the update needs, complete: no field means "not computed yet"."""
+    """A rollout with everything the update needs, complete: no field means "not computed yet".
 
-    loss_mask: Tensor  # (B, T) bool: response_mask, less truncated responses when they are masked
-    old_logprobs: Tensor  # (B, T) float32, the sampling policy's log-probs
-    advantages: Tensor  # (B, T) float32
-    ref_logprobs: Tensor | None = None  # (B, T) float32; None: no reference model (kl_coef 0)
-    kl: Tensor | None = None  # (B, T) float32, per-token KL to the reference at sampling time; None: no reference
-    values: Tensor | None = None  # (B, T) float32, critic at sampling time; None: no critic
-    returns: Tensor | None = None  # (B, T) float32, GAE returns; None: no critic
+    Attributes:
+        loss_mask: (B, T) bool: response_mask, less truncated responses when they are masked.
+        old_logprobs: (B, T) float32, the sampling policy's log-probs.
+        advantages: (B, T) float32.
+        ref_logprobs: (B, T) float32; None: no reference model (kl_coef 0).
+        kl: (B, T) float32, per-token KL to the reference at sampling time; None: no reference.
+        values: (B, T) float32, critic at sampling time; None: no critic.
+        returns: (B, T) float32, GAE returns; None: no critic.
+    """
+
+    loss_mask: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    ref_logprobs: Tensor | None = None
+    kl: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
 
 
 def split_rows(batch_size: int, chunk_size: int) -> list[slice]:

@@ -97,6 +97,12 @@ def rowwise(fn: RewardFn) -> RewardFn:
     """Mark `fn` as scoring each response on its own, so `reward_workers` may split its batch into chunks.
 
     Use it as a decorator; leave it off a function whose scores depend on the rest of the batch.
+
+    Args:
+        fn: a reward or metric function `fn(prompts, responses, **columns)`.
+
+    Returns:
+        `fn` itself, marked.
     """
     fn.lit_rlhf_rowwise = True  # type: ignore[attr-defined]  # a marker attribute on the user's callable
     return fn

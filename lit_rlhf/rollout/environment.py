@@ -33,12 +33,19 @@ BUILTIN_ENVIRONMENTS = {
 
 @dataclass
 class StepResult:
-    """An environment's answer to one turn of n episodes."""
+    """An environment's answer to one turn of n episodes.
 
-    observations: list[str]  # n texts appended after the policy's turn (ignored where done)
-    rewards: list[float]  # n finite rewards for this turn; an episode's score is the sum over its turns
-    done: list[bool]  # n flags: the episode is over
-    states: list[Any]  # n new episode states, passed to the next `step`
+    Attributes:
+        observations: n texts appended after the policy's turn (ignored where done).
+        rewards: n finite rewards for this turn; an episode's score is the sum over its turns.
+        done: n flags: the episode is over.
+        states: n new episode states, passed to the next `step`.
+    """
+
+    observations: list[str]
+    rewards: list[float]
+    done: list[bool]
+    states: list[Any]
 
 
 class Environment(ABC):
@@ -105,6 +112,7 @@ def build_environment(config: EnvironmentConfig) -> Environment:
 
 
 def check_stop_strings(env: Environment) -> None:
+    """Refuse an environment whose `stop_strings` is not a tuple or list of non-empty strings."""
     stops = env.stop_strings
     if not isinstance(stops, tuple | list) or not all(isinstance(s, str) and s for s in stops):
         raise ConfigError(f"{type(env).__name__}.stop_strings: {stops!r}; give a tuple of non-empty strings")
