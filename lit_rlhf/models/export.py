@@ -46,11 +46,13 @@ from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.full_weights import gathered_copy, is_sharded
 from lit_rlhf.models.lora import has_adapters
-from lit_rlhf.models.stop_ids import stop_token_ids
 
 TMP_MARKER = ".tmp-"
 OLD_MARKER = ".old-"
 EXPORT_MARKER = "lit_rlhf_export.json"
+STAGING_MARKER = ".lit_rlhf_staging.json"
+"""In a `<folder>.tmp-<pid>` / `<folder>.old-<pid>` folder while an export moves it: {"lit_rlhf_staging": folder's
+name, "pid": pid}. Clean-up after a killed export deletes only folders holding it, never a folder by its name."""
 """The file every export writes: {"lit_rlhf_export": 1, "files": [the names it wrote]}."""
 HF_FILES = (
     "config.json",
@@ -100,9 +102,8 @@ def generation_settings(sampling: SamplingConfig) -> dict[str, Any]:
 
 
 def generation_config(policy: nn.Module, tokenizer: Any, generation: dict[str, Any] | SamplingConfig | None):
-    """The policy's own generation config (or a new one) updated with `generation`, the tokenizer's pad id and the
-    ids training stopped at (`stop_token_ids`: one id, or the list of them); unknown or inconsistent settings raise
-    a `ConfigError` naming them."""
+    """The policy's own generation config (or a new one) updated with `generation` and the tokenizer's EOS and
+    pad ids; unknown or inconsistent settings raise a `ConfigError` naming them."""
     from transformers import GenerationConfig
 
     if isinstance(generation, SamplingConfig):
@@ -115,11 +116,9 @@ def generation_config(policy: nn.Module, tokenizer: Any, generation: dict[str, A
     if unknown:
         raise ConfigError(f"generation: unknown GenerationConfig setting(s) {', '.join(map(repr, unknown))}")
     if tokenizer is not None:
-        stops = stop_token_ids(tokenizer, own)
-        if stops:
-            settings["eos_token_id"] = stops[0] if len(stops) == 1 else list(stops)
-        if tokenizer.pad_token_id is not None:
-            settings["pad_token_id"] = tokenizer.pad_token_id
+        for key in ("eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, key, None) is not None:
+                settings[key] = getattr(tokenizer, key)
     config.update(**settings)
     config._from_model_config = False  # otherwise generate() may re-derive it from the model's config
     try:
@@ -177,7 +176,7 @@ def replace_problem(target: str) -> str | None:
         return "it is (or holds) the current directory"
     if real in (home, os.path.realpath(os.sep)):
         return "it is the home or root folder"
-    names = os.listdir(target)
+    names = [name for name in os.listdir(target) if name != STAGING_MARKER]  # left by a kill while publishing
     written: set[str] = set()
     if EXPORT_MARKER in names:
         try:
@@ -225,15 +224,34 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def write_staging_marker(folder: str, target: str) -> None:
+    """Mark `folder` (a temporary or a replaced export) as the library's, for the clean-up after a killed export."""
+    with open(os.path.join(folder, STAGING_MARKER), "w", encoding="utf-8") as f:
+        json.dump({"lit_rlhf_staging": os.path.basename(target), "pid": os.getpid()}, f)
+
+
+def is_staging(folder: str, target: str, pid: int) -> bool:
+    """Whether `folder` holds the staging marker an export to `target` by process `pid` wrote."""
+    try:
+        with open(os.path.join(folder, STAGING_MARKER), encoding="utf-8") as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return marker == {"lit_rlhf_staging": os.path.basename(target), "pid": pid}
+
+
 def remove_stale_exports(target: str) -> list[str]:
-    """Delete `<target>.tmp-<pid>` / `<target>.old-<pid>` folders whose process is dead (killed exports)."""
+    """Delete `<target>.tmp-<pid>` / `<target>.old-<pid>` folders whose process is dead (killed exports) and that
+    hold the staging marker of that export; a folder with such a name but no marker (a user's backup) is kept."""
     parent, base = os.path.split(target)
     pattern = re.compile(re.escape(base) + f"(?:{re.escape(TMP_MARKER)}|{re.escape(OLD_MARKER)})" + r"(\d+)$")
     removed = []
     for name in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
         match = pattern.fullmatch(name)
         path = os.path.join(parent, name)
-        if match and os.path.isdir(path) and not os.path.islink(path) and not _pid_alive(int(match.group(1))):
+        if not match or not os.path.isdir(path) or os.path.islink(path) or _pid_alive(int(match.group(1))):
+            continue
+        if is_staging(path, target, int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             log.warning("removed %s, a partial export left by a killed process (pid %s)", path, match.group(1))
@@ -270,6 +288,7 @@ def publish(tmp: str, target: str, folder: str, overwrite: bool) -> None:
         raise ExportError(f"save_policy: {folder!r} appeared while the export was being written")
     check_target(folder, overwrite)  # what is there now, not what was there when the export began
     old = f"{target}{OLD_MARKER}{os.getpid()}"
+    write_staging_marker(target, target)  # the replaced export is the library's to delete, even after a kill
     os.replace(target, old)
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
@@ -323,14 +342,17 @@ def save_policy(
     shutil.rmtree(tmp, ignore_errors=True)  # left over from a killed export of this same process id
     with sigterm_held():
         try:
+            os.makedirs(tmp)
+            write_staging_marker(tmp, target)
             model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]  # transformers/peft
             if tokenizer is not None:
                 tokenizer_to_save(tokenizer).save_pretrained(tmp)
             config.save_pretrained(tmp)
             with open(os.path.join(tmp, EXPORT_MARKER), "w", encoding="utf-8") as f:
-                files = sorted({*os.listdir(tmp), EXPORT_MARKER})
+                files = sorted({*os.listdir(tmp), EXPORT_MARKER} - {STAGING_MARKER})
                 json.dump({"lit_rlhf_export": 1, "adapters_only": adapters_only, "files": files}, f, indent=1)
             publish(tmp, target, folder, overwrite)
+            os.remove(os.path.join(target, STAGING_MARKER))  # published: no longer a temporary
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

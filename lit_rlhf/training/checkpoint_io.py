@@ -19,6 +19,7 @@ Use it with `Trainer(plugins=[AtomicCheckpointIO()])`, or in YAML:
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import zipfile
@@ -31,6 +32,27 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lit_rlhf.config import ConfigError
 
 TMP_MARKER = ".tmp-"
+PARTIAL_SUFFIX = ".lit_rlhf-partial"
+"""Beside a temporary file being written, `<name>.tmp-<pid>.lit_rlhf-partial`: proof that the library made it, so
+clean-up after a killed run deletes only such files, never a file by its name alone."""
+
+
+def write_partial_marker(tmp: str) -> str:
+    """The marker file beside the temporary file `tmp` (before `tmp` itself is created); returns its path."""
+    marker = tmp + PARTIAL_SUFFIX
+    with open(marker, "w", encoding="utf-8") as handle:
+        json.dump({"lit_rlhf_partial": os.path.basename(tmp), "pid": os.getpid()}, handle)
+    return marker
+
+
+def marked_partial(tmp: str, pid: int) -> bool:
+    """Whether `tmp` has the marker this library writes beside its temporary files, naming it and process `pid`."""
+    try:
+        with open(tmp + PARTIAL_SUFFIX, encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker == {"lit_rlhf_partial": os.path.basename(tmp), "pid": pid}
 
 
 class CheckpointError(ConfigError):
@@ -44,6 +66,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}{TMP_MARKER}{os.getpid()}"
+    marker = write_partial_marker(tmp)
     try:
         with open(tmp, "wb") as handle:
             write_checkpoint(obj, handle)
@@ -53,6 +76,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
     except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
+        os.remove(marker)
         if isinstance(err, (OSError, RuntimeError)) and _is_write_failure(err):
             raise OSError(
                 f"checkpoint {path}: writing it failed ({_first_line(err)}); the disk may be full (or the folder "
@@ -60,6 +84,7 @@ def atomic_torch_save(obj: Any, path: str) -> None:
                 "from it"
             ) from err
         raise
+    os.remove(marker)
     try:  # make the rename itself durable
         fd = os.open(directory, os.O_RDONLY)
     except OSError:

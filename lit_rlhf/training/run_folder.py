@@ -10,7 +10,8 @@ resumes whichever saved last. `RunFolderGuard` (a Callback every `RLHFModule` ad
 - a lock left by a dead process on the same host (a kill -9) is taken over with a warning; a lock from another
   host cannot be checked and is refused (delete it if that run is gone);
 - the lock is released when `fit` ends, normally or by an exception (`teardown`, `on_exception`), and at exit;
-- temporary files `<name>.tmp-<pid>` of `AtomicCheckpointIO` whose process is dead are deleted, with a log line.
+- temporary files `<name>.tmp-<pid>` of `AtomicCheckpointIO` whose process is dead and that carry its marker
+  (`<name>.tmp-<pid>.lit_rlhf-partial`) are deleted, with a log line.
 
 Only global rank 0 takes the lock; its verdict is broadcast so every rank stops together. On SIGTERM Lightning
 stops at the end of the current batch by raising `SIGTERMException`; the guard then saves `last.ckpt` into each
@@ -33,7 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_rlhf.config import ConfigError
-from lit_rlhf.training.checkpoint_io import TMP_MARKER
+from lit_rlhf.training.checkpoint_io import PARTIAL_SUFFIX, TMP_MARKER, marked_partial
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +129,21 @@ class FolderLock:
 
 
 def remove_stale_temp_files(folder: str) -> list[str]:
-    """Delete `AtomicCheckpointIO`'s temporary files (`<name>.tmp-<pid>`) in `folder` whose process is dead."""
+    """Delete `AtomicCheckpointIO`'s temporary files (`<name>.tmp-<pid>`) in `folder` whose process is dead and
+    that carry the library's marker (`checkpoint_io.PARTIAL_SUFFIX`), with the marker; a file with such a name
+    but no marker is the user's, and kept."""
     pattern = re.compile(re.escape(TMP_MARKER) + r"(\d+)$")
     removed = []
     for name in sorted(os.listdir(folder)):
         match = pattern.search(name)
         path = os.path.join(folder, name)
-        if match and os.path.isfile(path) and not pid_alive(int(match.group(1))):
+        if not match or not os.path.isfile(path) or os.path.islink(path) or pid_alive(pid := int(match.group(1))):
+            continue
+        if marked_partial(path, pid):
             os.remove(path)
+            os.remove(path + PARTIAL_SUFFIX)
             removed.append(path)
-            log.warning("removed %s, a partial checkpoint left by a killed run (pid %s)", path, match.group(1))
+            log.warning("removed %s, a partial checkpoint left by a killed run (pid %s)", path, pid)
     return removed
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +23,13 @@ from lit_rlhf.data.handoff import PromptSupply
 from lit_rlhf.models.build import ModelSpecs
 from lit_rlhf.models.reward_model import SequenceRewardModel
 from lit_rlhf.rewards.functions import callable_path
+from lit_rlhf.training.checkpoint_integrity import DIGEST_KEY, check_weights_fit, payload_digest, verify_payload
 from lit_rlhf.training.checkpoint_trust import load_arguments
 from lit_rlhf.training.sharding import is_fsdp2
 
 CHECKPOINT_KEY = "lit_rlhf"
+LOADING: ContextVar[tuple[Any, bool]] = ContextVar("lit_rlhf_loading", default=(None, True))
+"""The file `load_from_checkpoint` is reading and whether it loads strictly (for the checks of the hook)."""
 
 
 @dataclass
@@ -233,7 +237,11 @@ class ExactResume(L.LightningModule):
         unless passed here. `trust_checkpoint_code=True`: import and run what a file you made names."""
         hparams = checkpoint_hparams(checkpoint_path)
         kwargs = load_arguments(checkpoint_path, hparams, kwargs, trust_checkpoint_code)
-        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        token = LOADING.set((checkpoint_path, kwargs.get("strict", True) is not False))
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            LOADING.reset(token)
 
     def record_named_settings(self, **callables: Any) -> None:
         """The hyperparameters (and what loggers write to hparams.yaml) as plain, safe-loadable data with every
@@ -264,6 +272,8 @@ class ExactResume(L.LightningModule):
         # the version a resumed command-line run logs into again (lit_rlhf.cli.ResumingCLI)
         checkpoint[CHECKPOINT_KEY]["logger_version"] = getattr(self.logger, "version", None)
         checkpoint[CHECKPOINT_KEY]["rollout_fingerprint"] = self.rollout_fingerprint()
+        if not is_fsdp2(self.trainer):  # a sharded state dict is hashed by no one process
+            checkpoint[CHECKPOINT_KEY][DIGEST_KEY] = payload_digest(checkpoint)
         super().on_save_checkpoint(checkpoint)
 
     def rollout_fingerprint(self) -> dict[str, str]:
@@ -272,6 +282,7 @@ class ExactResume(L.LightningModule):
         hp = self.hparams
         fingerprint = {
             "model.algorithm.group_size": str(self.algorithm.filled.group_size),
+            "model.algorithm.max_staleness": str(self.algorithm.max_staleness),  # which rollouts in flight are kept
             "model.sampling": repr(plain(self.sampling)),
             **{f"model.{key}": repr(hp.get(key)) for key in ("reward_fns", "reward_weights", "reward_model")},
         }
@@ -299,7 +310,15 @@ class ExactResume(L.LightningModule):
             self.check_resumed_rollouts(checkpoint.get(CHECKPOINT_KEY, {}).get("rollout_fingerprint"))
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         device = trainer.strategy.root_device if trainer is not None else self.device  # the module is not moved yet
-        load_training_state(checkpoint, self.state, self.state_dict(), rank, world, device)
+        path, strict = (trainer.ckpt_path, self.strict_loading) if trainer is not None else LOADING.get()
+        checked = not is_fsdp2(trainer)  # a sharded state dict: no one process holds the whole payload
+        if checked:  # before any weight is used
+            verify_payload(checkpoint, checkpoint.get(CHECKPOINT_KEY, {}), path)
+        own = self.state_dict()
+        load_training_state(checkpoint, self.state, own, rank, world, device)
+        if checked and strict:
+            saved_hparams = checkpoint.get("hyper_parameters") or {}
+            check_weights_fit(path, checkpoint["state_dict"], own, saved_hparams, dict(self.hparams))
         # `Trainer(max_time=...)` limits each process: forget the elapsed time the Timer callback saved (this hook
         # runs before callbacks restore their state from the same dictionary)
         for key, callback_state in checkpoint.get("callbacks", {}).items():

@@ -426,7 +426,7 @@ def test_cli_exports_a_checkpoint_whose_reward_functions_cannot_be_imported(tmp_
     )
     # rebuilding the whole module needs neither: each becomes a stand-in that raises only when it is called
     loaded = RLHFModule.load_from_checkpoint(tmp_path / "ckpt" / "last.ckpt")
-    with pytest.raises(RewardError, match="local_reward' could not be imported"):
+    with pytest.raises(RewardError, match="local_reward' was not imported"):
         loaded.reward.reward_fns[0](["a"], ["b"])
     export_main(["--ckpt", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(tmp_path / "policy")])
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()

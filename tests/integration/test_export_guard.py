@@ -15,7 +15,7 @@ import pytest
 
 from conftest import make_policy, make_trainer
 from lit_rlhf.cli import export_main
-from lit_rlhf.models.export import EXPORT_MARKER, ExportError, save_policy
+from lit_rlhf.models.export import EXPORT_MARKER, STAGING_MARKER, ExportError, save_policy
 from lit_rlhf.training.callbacks import SavePolicy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,13 +90,24 @@ def dead_pid() -> int:
 
 
 def test_temporary_folders_of_killed_exports_are_removed(tmp_path, tokenizer, caplog):
+    """Only folders holding the staging marker of that export (its target and its dead process) are removed."""
     dead, alive = dead_pid(), os.getppid()
     for name in (f"policy.tmp-{dead}", f"policy.old-{dead}", f"policy.tmp-{alive}", f"other.tmp-{dead}"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+        target = name.partition(".")[0]
+        marker = {"lit_rlhf_staging": target, "pid": alive if "tmp-" + str(alive) in name else dead}
+        (tmp_path / name / STAGING_MARKER).write_text(json.dumps(marker))
+    backups = [f"policy.old-{dead_pid()}", f"policy.tmp-{dead_pid()}"]  # a user's folders: no marker
+    for name in backups:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"my backup")
+    (tmp_path / backups[1] / STAGING_MARKER).write_text(json.dumps({"lit_rlhf_staging": "other", "pid": dead}))
     save_policy(make_policy(), tokenizer, str(tmp_path / "policy"))
-    assert sorted(os.listdir(tmp_path)) == [f"other.tmp-{dead}", "policy", f"policy.tmp-{alive}"]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"other.tmp-{dead}", "policy", f"policy.tmp-{alive}", *backups])
+    assert (tmp_path / backups[0] / "model.safetensors").read_bytes() == b"my backup"
     assert f"partial export left by a killed process (pid {dead})" in caplog.text
+    assert STAGING_MARKER not in os.listdir(tmp_path / "policy")  # the published export is not a temporary
 
 
 SIGTERM_SCRIPT = """

@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from conftest import checksum
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
-from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, load_checkpoint_file
+from lit_rlhf.training.checkpoint_io import PARTIAL_SUFFIX, AtomicCheckpointIO, CheckpointError, load_checkpoint_file
 from lit_rlhf.training.run_folder import LOCK_NAME
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
@@ -320,7 +320,8 @@ def test_sigkill_while_a_checkpoint_is_written_leaves_the_previous_one_loadable(
     assert marker.read_text() == "3"
     ckpt_dir = tmp_path / "checkpoints"
     files = sorted(f for f in os.listdir(ckpt_dir) if f != LOCK_NAME)
-    partial = [f for f in files if f != "last.ckpt"]
+    partial = [f for f in files if f != "last.ckpt" and not f.endswith(PARTIAL_SUFFIX)]
+    assert f"{partial[0]}{PARTIAL_SUFFIX}" in files  # the library's marker beside its temporary file
     assert files[0] == "last.ckpt" and len(partial) == 1 and partial[0].startswith("last.ckpt.tmp-")
     # the previous checkpoint is whole and loads weights-only
     previous = load_checkpoint_file(str(ckpt_dir / "last.ckpt"))

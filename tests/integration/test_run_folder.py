@@ -22,7 +22,13 @@ import lit_rlhf.training.checkpoint_io as ckpt_io
 from lit_rlhf import AlgorithmConfig, RLHFModule, RolloutDataModule, SamplingConfig
 from lit_rlhf.cli import main
 from lit_rlhf.config import ConfigError
-from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO, CheckpointError, atomic_torch_save, load_checkpoint_file
+from lit_rlhf.training.checkpoint_io import (
+    PARTIAL_SUFFIX,
+    AtomicCheckpointIO,
+    CheckpointError,
+    atomic_torch_save,
+    load_checkpoint_file,
+)
 from lit_rlhf.training.run_folder import LOCK_NAME, FolderLock, RunFolderLocked, remove_stale_temp_files
 
 REWARD = "lit_rlhf.tasks.digits.sort_digits_reward"
@@ -103,13 +109,26 @@ def test_release_leaves_a_lock_that_is_not_ours(tmp_path, live_pid):
     assert json.loads(path.read_text())["pid"] == live_pid
 
 
+def partial_file(path, pid: int, marked: bool = True) -> None:
+    """A temporary checkpoint file of process `pid`, with the marker the library writes beside it (or without)."""
+    path.write_bytes(b"partial")
+    if marked:
+        (path.parent / (path.name + PARTIAL_SUFFIX)).write_text(json.dumps({"lit_rlhf_partial": path.name, "pid": pid}))
+
+
 def test_stale_temp_files_are_removed_only_for_dead_processes(tmp_path, dead_pid, live_pid, caplog):
-    (tmp_path / f"last.ckpt.tmp-{dead_pid}").write_bytes(b"")
-    (tmp_path / f"last.ckpt.tmp-{live_pid}").write_bytes(b"partial")
+    partial_file(tmp_path / f"last.ckpt.tmp-{dead_pid}", dead_pid)
+    partial_file(tmp_path / f"last.ckpt.tmp-{live_pid}", live_pid)
+    partial_file(tmp_path / f"backup.ckpt.tmp-{dead_pid}", dead_pid, marked=False)  # a user's file: only the name
     (tmp_path / "last.ckpt").write_bytes(b"kept")
     removed = remove_stale_temp_files(str(tmp_path))
     assert removed == [str(tmp_path / f"last.ckpt.tmp-{dead_pid}")]
-    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", f"last.ckpt.tmp-{live_pid}"]
+    assert sorted(os.listdir(tmp_path)) == [
+        f"backup.ckpt.tmp-{dead_pid}",
+        "last.ckpt",
+        f"last.ckpt.tmp-{live_pid}",
+        f"last.ckpt.tmp-{live_pid}{PARTIAL_SUFFIX}",
+    ]
     assert f"removed {tmp_path / f'last.ckpt.tmp-{dead_pid}'}" in caplog.text
 
 
@@ -155,7 +174,7 @@ def test_a_second_run_in_a_locked_folder_fails_before_any_model_loads(tmp_path, 
 def test_fit_releases_the_lock_and_cleans_stale_temp_files(tmp_path, dead_pid):
     ckpt_dir = tmp_path / "checkpoints"
     ckpt_dir.mkdir()
-    (ckpt_dir / f"last.ckpt.tmp-{dead_pid}").write_bytes(b"")  # left by a killed run
+    partial_file(ckpt_dir / f"last.ckpt.tmp-{dead_pid}", dead_pid)  # left by a killed run
     fit(make_module(), ckpt_dir)
     assert sorted(os.listdir(ckpt_dir)) == ["last.ckpt"]  # no lock left, no stale temp file
 
