@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError, LRSchedule, check_precision
+from lit_rlhf.training.exit_guard import ExitStatusGuard
 from lit_rlhf.training.hooks import ManagedHooks
 from lit_rlhf.training.host_memory import return_freed_memory_on_cpu
 from lit_rlhf.training.run_folder import RunFolderGuard
@@ -133,7 +134,8 @@ class ManualOptimization(ManagedHooks):
         super().setup(stage)
 
     def configure_callbacks(self) -> list[Any]:
-        """A `RunFolderGuard` (one run per checkpoint folder, `last.ckpt` saved on SIGTERM). Refuse the Trainer's
+        """A `RunFolderGuard` (one run per checkpoint folder, `last.ckpt` saved on SIGTERM) and an `ExitStatusGuard`
+        (`os._exit(0)` during fit ends the process with status 1). Refuse the Trainer's
         own clipping and accumulation (Lightning's checks run next, with advice that does not apply here), naming
         this module's settings for the same thing."""
         trainer = self.trainer
@@ -150,7 +152,7 @@ class ManualOptimization(ManagedHooks):
             )
         inherited = super().configure_callbacks()
         assert isinstance(inherited, Sequence)  # the mixins below return lists
-        return [RunFolderGuard(), *inherited]  # the guard's SIGTERM checkpoint first
+        return [RunFolderGuard(), ExitStatusGuard(), *inherited]  # the guard's SIGTERM checkpoint first
 
     def configure_optimizers(self) -> Any:
         """AdamW over the trainable parameters, with linear warm-up, then constant, linear or cosine decay to the
