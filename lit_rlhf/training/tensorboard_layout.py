@@ -11,7 +11,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 FIRST_SCREEN: dict[str, dict[str, list[Any]]] = {
     "lit_rlhf": {
         "training reward": ["Multiline", ["rollout/reward_mean", "rollout/score_mean"]],
-        "held-out metrics (greedy)": ["Multiline", [r"val/.*"]],
+        # every held-out metric function's value and the held-out reward; their lengths and cut-offs have other scales
+        "held-out metrics (greedy)": ["Multiline", [r"val/(?!response_len_mean$|frac_truncated$).*"]],
         "KL to the reference": ["Multiline", ["objective/kl", "policy/kl_loss"]],
         "policy entropy": ["Multiline", ["objective/entropy"]],
         "step time (s)": ["Multiline", ["time/rollout_s", "time/update_s", "time/generate_s"]],

@@ -74,4 +74,5 @@ def test_the_first_screen_charts_reward_held_out_kl_entropy_and_step_time(tokeni
     for title, patterns in charts.items():  # every chart draws something this run logged
         drawn = {tag for tag in scalars for pattern in patterns if re.fullmatch(pattern, tag)}
         assert drawn, f"{title}: none of {patterns} among {sorted(scalars)}"
-    assert "val/sorted_exactly" in {tag for tag in scalars if re.fullmatch(charts["held-out metrics (greedy)"][0], tag)}
+    held_out = {tag for tag in scalars if re.fullmatch(charts["held-out metrics (greedy)"][0], tag)}
+    assert held_out == {"val/sorted_exactly", "val/reward_mean"}  # not val/response_len_mean, val/frac_truncated
