@@ -68,6 +68,7 @@ TRL_NAMES: dict[str, TRLName] = {
     "gradient_checkpointing": TRLName("model.gradient_checkpointing"),
     "reward_weights": TRLName("model.reward_weights"),
     "reward_funcs": TRLName("model.reward_fns", "dotted paths or callables fn(prompts, responses, **columns)"),
+    "peft_config": TRLName("model.lora", "a peft LoraConfig, or {r, alpha, dropout, target_modules}"),
     "log_completions": TRLName("model.log_samples_every_n_steps", "0: never"),
     "num_generations_eval": TRLName("model.val_samples_per_prompt"),
     "num_train_epochs": TRLName("trainer.max_epochs"),

@@ -80,6 +80,10 @@ class Rollout:
     policy_version: int = 0
     context_mask: Tensor | None = None
     sampler_logprobs: Tensor | None = None
+    # (B, F) float32: each reward function's own score (columns in `reward_fns` order, before weighting and
+    # truncation handling), for the per-function metrics; None: no reward functions, or a `compute_scores` override
+    # that does not call the composer
+    reward_parts: Tensor | None = None
 
     @property
     def batch_size(self) -> int:

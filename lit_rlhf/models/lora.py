@@ -2,14 +2,18 @@
 switched off, so no second copy of the model is held.
 
 `RLHFModule(lora={"r": 8, "alpha": 16, "target_modules": "all-linear"})` wraps the policy with
-`peft.get_peft_model`; only the adapters (and the value head, for PPO) are trained. Without an explicit
-`reference`, the reference is an `AdapterDisabledReference`: a module with no parameters whose forward runs
-the policy inside `policy.disable_adapter()`. LoRA's B matrices start at zero, so at the first step the
-policy equals the reference exactly and the KL is 0.
+`peft.get_peft_model`; a `peft.LoraConfig` (what TRL takes as `peft_config`) is accepted too and kept as these
+settings (`lora_settings`: plain data, so `hparams.yaml` and checkpoints stay safe to load); only the adapters
+(and the value head, for PPO) are trained. Without an explicit `reference`, the reference is an
+`AdapterDisabledReference`: a module with no parameters whose forward runs the policy inside
+`policy.disable_adapter()`. LoRA's B matrices start at zero, so at the first step the policy equals the reference
+exactly and the KL is 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from typing import Any
 
 from torch import Tensor, nn
@@ -19,6 +23,46 @@ from lit_rlhf.models.forward import accepts_argument
 
 LORA_DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"}
 _RENAMED = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, set | frozenset | tuple):
+        return sorted(value) if isinstance(value, set | frozenset) else list(value)
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def lora_settings(lora: Any, field: str = "model.lora") -> Any:
+    """`lora` as our settings, checked by `lora_config` before any model loads (None: no LoRA); a peft
+    `LoraConfig` (TRL's `peft_config`) becomes a dict (`_from_peft`)."""
+    if lora is None:
+        return None
+    settings = _from_peft(lora, field)
+    lora_config(settings, field)
+    return settings
+
+
+def _from_peft(lora: Any, field: str) -> Any:
+    """A peft `LoraConfig` as the dict of its r, alpha, dropout, target_modules and every other field it sets
+    away from peft's default (named as `lora_config` takes them); anything else as it is."""
+    try:
+        from peft import LoraConfig, TaskType
+    except ImportError:
+        return lora
+    if not isinstance(lora, LoraConfig):
+        return lora
+    if lora.task_type not in (None, TaskType.CAUSAL_LM, TaskType.CAUSAL_LM.value):
+        raise ConfigError(
+            f"{field}: a LoraConfig with task_type={lora.task_type!r}; the policy is a causal LM: use "
+            "task_type='CAUSAL_LM' or leave it unset"
+        )
+    defaults, always = LoraConfig(), {"r", "lora_alpha", "lora_dropout", "target_modules"}
+    ours = {value: key for key, value in _RENAMED.items()}
+    return {
+        ours.get(f.name, f.name): _plain(getattr(lora, f.name))
+        for f in dataclasses.fields(lora)
+        if f.name not in ("task_type", "peft_type")
+        and (f.name in always or getattr(lora, f.name) != getattr(defaults, f.name))
+    }
 
 
 def lora_config(settings: dict[str, Any], field: str = "model.lora"):
@@ -31,8 +75,8 @@ def lora_config(settings: dict[str, Any], field: str = "model.lora"):
         ) from err
     if not isinstance(settings, dict):
         raise ConfigError(
-            f"{field}: expected a mapping like {{r: 8, alpha: 16, target_modules: all-linear}}, "
-            f"got {type(settings).__name__}"
+            f"{field}: expected a mapping like {{r: 8, alpha: 16, target_modules: all-linear}} or a "
+            f"peft.LoraConfig, got {type(settings).__name__}"
         )
     merged = {**LORA_DEFAULTS, **settings}
     if not isinstance(merged["r"], int) or merged["r"] < 1:

@@ -12,28 +12,54 @@ training process does. Three forms are accepted, chosen from the function's sign
 - **ours by position**: `fn(prompts, responses, **meta)`: the first two positional parameters (whatever their
   names) take the prompt and response texts, the columns go by keyword.
 
+TRL's `trainer_state` (a `TrainerState`: `global_step`, `epoch`, `max_steps`, read when the batch is scored) goes
+to every TRL-form function that names it or takes `**kwargs`, and to any other function that names it. An `async
+def` function (or an object whose `__call__` is one) is awaited: `call` runs it to completion, and the composer
+runs a batch's async calls concurrently on one event loop (`lit_rlhf.rewards.parallel`).
+
 Anything else (one positional parameter, a positional-only parameter among named ones, `completion_ids` or
 `prompt_ids` without a default: token ids are not passed) is refused when the function is set up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+Fn = Callable[..., Any]
+Meta = dict[str, list[Any]]
+"""A batch's extra prompt columns, one list of B values each."""
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 TEXTS = ("prompts", "responses", "completions")
 """The parameter names that take the batch's texts rather than a column."""
-NOT_PASSED = ("completion_ids", "prompt_ids", "trainer_state")
+NOT_PASSED = ("completion_ids", "prompt_ids")
 """TRL names lit_rlhf does not pass: such a parameter needs a default."""
+STATE = "trainer_state"
+"""The parameter that takes the training progress (`TrainerState`), as TRL names it."""
 MESSAGES_COLUMN = "messages"
 FORMS = (
     "accepted forms: fn(prompts, responses, **columns) (by position); fn(*, prompts, responses, **columns) (by "
     "name); TRL's fn(completions, prompts=None, **kwargs) (by name; completions as message lists when the prompt "
     "rows are conversations); a column is a parameter named like a prompt-row column"
 )
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The training progress a reward function sees as `trainer_state` (the fields TRL's `TrainerState` has).
+
+    `global_step`: optimizer steps taken so far (Lightning's `trainer.global_step`: `ppo_epochs x num_minibatches`
+    per rollout); `epoch`: epochs done, fractional (1.5: half-way through the second); `max_steps`: the optimizer
+    steps the run will take (-1 when unbounded)."""
+
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = -1
 
 
 class SignatureError(ValueError):
@@ -79,8 +105,8 @@ def column_parameters(fn: Callable[..., Any]) -> list[inspect.Parameter]:
     named = [p for p in params if p.kind in (*POSITIONAL, p.KEYWORD_ONLY)]
     if form(fn) == "positional":
         texts = [p for p in params if p.kind in POSITIONAL][:2]
-        return [p for p in named if p not in texts]
-    return [p for p in named if p.name not in TEXTS and p.name not in NOT_PASSED]
+        return [p for p in named if p not in texts and p.name != STATE]
+    return [p for p in named if p.name not in (*TEXTS, *NOT_PASSED, STATE)]
 
 
 def _conversation(value: Any) -> list[Any] | None:
@@ -100,18 +126,65 @@ def trl_texts(prompts: list[str], responses: list[str], meta: dict[str, list[Any
     return conversations, [[{"role": "assistant", "content": r}] for r in responses]
 
 
-def call(fn: Callable[..., Any], prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> Any:
-    """`fn`'s answer for the batch, its parameters bound by its form."""
+def start(fn: Fn, prompts: list[str], responses: list[str], meta: Meta, state: TrainerState | None = None) -> Any:
+    """`fn` called on the batch, its parameters bound by its form: its answer, or the awaitable an async function
+    returns (not awaited)."""
     kind = form(fn)
-    if kind == "positional":
-        return fn(prompts, responses, **meta)
     params = parameters(fn) or []
+    names = {p.name for p in params}
+    if kind == "positional":
+        return fn(prompts, responses, **meta, **({STATE: state} if STATE in names else {}))
     if kind == "trl":
         texts, completions = trl_texts(prompts, responses, meta)
-        given: dict[str, Any] = {**meta, "prompts": texts, "completions": completions}
+        given: dict[str, Any] = {**meta, "prompts": texts, "completions": completions, STATE: state}
     else:
         given = {**meta, "prompts": prompts, "responses": responses}
+        if STATE in names:
+            given[STATE] = state
     if not any(p.kind is p.VAR_KEYWORD for p in params):
-        wanted = {p.name for p in params}
-        given = {k: v for k, v in given.items() if k in wanted}
+        given = {k: v for k, v in given.items() if k in names}
     return fn(**given)
+
+
+def call(fn: Fn, prompts: list[str], responses: list[str], meta: Meta, state: TrainerState | None = None) -> Any:
+    """`fn`'s answer for the batch, its parameters bound by its form; an async function's answer awaited."""
+    return settle(start(fn, prompts, responses, meta, state))
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is an `async def` function (or a partial of one, or an object with an async `__call__`)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
+
+
+async def _awaited(answer: Awaitable[Any]) -> Any:
+    return await answer
+
+
+def settle(answer: Any) -> Any:
+    """`answer`, or what it resolves to when it is awaitable (run on an event loop of its own: on this thread, or
+    on a thread of its own when this one already runs a loop, as in a notebook)."""
+    if not inspect.isawaitable(answer):
+        return answer
+    return run_on_own_loop(_awaited(answer))
+
+
+def run_on_own_loop(coroutine: Any) -> Any:
+    """`asyncio.run(coroutine)`, on a helper thread when this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = asyncio.run(coroutine)
+        except BaseException as err:  # raised again in the calling thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="lit_rlhf-async-reward", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

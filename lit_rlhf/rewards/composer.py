@@ -5,13 +5,20 @@ of threads (a `rowwise` function's batch is split into consecutive chunks across
 each call (`lit_rlhf.rewards.parallel`). `isolation="process"` runs every function in worker processes instead
 (max(1, workers) of them), and a function marked `isolated` (such as `math_verify_answer`) always runs there:
 a call past `timeout_s` (or the function's own `isolated(timeout_s=...)`) is then killed with its process, a hard
-limit. Either way the scores and their order are those of the plain loop.
+limit. Either way the scores and their order are those of the plain loop. An `async def` function's calls are
+awaited, all of a batch's at once on one event loop.
+
+Each function's own scores (before weighting) are handed to whoever scores inside `reward_parts()`: the
+collectors keep them on the rollout (`Rollout.reward_parts`), and the module logs their mean and std per function
+(`reward/<name>/mean`, `reward/<name>/std`), as TRL logs `rewards/<name>/mean`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, Literal, get_args
 
 import torch
@@ -19,9 +26,11 @@ from torch import Tensor
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.models.reward_model import SequenceRewardModel
+from lit_rlhf.rewards.binding import TrainerState
 from lit_rlhf.rewards.functions import (
     RewardError,
     RewardFn,
+    callable_name,
     check_picklable,
     check_signature,
     is_isolated,
@@ -34,6 +43,25 @@ from lit_rlhf.rewards.parallel import RewardCall, chunked, run_calls, run_in_pro
 RewardIsolation = Literal["thread", "process"]
 """Where reward functions run (`model.reward_isolation`): threads, or worker processes killed at the time limit."""
 ISOLATION = get_args(RewardIsolation)
+
+_PARTS: ContextVar[list[Tensor] | None] = ContextVar("lit_rlhf_reward_parts", default=None)
+
+
+@contextlib.contextmanager
+def reward_parts() -> Iterator[list[Tensor]]:
+    """Collect, in the list given, the (B, F) reward-function scores of each `RewardComposer` call made inside
+    (this thread's; F >= 1 functions, columns in `reward_fns` order)."""
+    parts: list[Tensor] = []
+    token = _PARTS.set(parts)
+    try:
+        yield parts
+    finally:
+        _PARTS.reset(token)
+
+
+def one_part(parts: list[Tensor]) -> Tensor | None:
+    """The (B, F) scores of the one composer call among `parts`; None for none or several (ambiguous)."""
+    return parts[0] if len(parts) == 1 else None
 
 
 class RewardComposer:
@@ -80,6 +108,13 @@ class RewardComposer:
                 check_picklable(fn)
         self.processes = ProcessWorkers(max(1, workers))
 
+    def names(self) -> list[str]:
+        """Each reward function's name in metrics: its short name, numbered (`name_2`, ...) when names repeat."""
+        short = [callable_name(fn) for fn in self.reward_fns]
+        return [
+            name if short.count(name) == 1 else f"{name}_{short[:i].count(name) + 1}" for i, name in enumerate(short)
+        ]
+
     def in_process(self, fn: RewardFn) -> bool:
         """Whether `fn` runs in a worker process (`isolation='process'`, or marked `isolated`)."""
         return self.isolation == "process" or is_isolated(fn)
@@ -98,13 +133,19 @@ class RewardComposer:
         sequence_mask: Tensor | None = None,
         last_index: Tensor | None = None,
         finished: Tensor | None = None,
+        trainer_state: TrainerState | None = None,
     ) -> Tensor:
         """(B,) float32 scores on CPU. The reward model reads `sequence_ids` at `last_index` when it
         shares the policy tokenizer, else the prompt+response texts, with its EOS after each `finished` (B,)
-        response (one that ended with the policy's EOS), as in reward-model training."""
+        response (one that ended with the policy's EOS), as in reward-model training. `trainer_state` goes to the
+        functions that take it."""
         total = torch.zeros(len(prompts), dtype=torch.float32)
-        for weight, scores in zip(self.weights, self.function_scores(prompts, responses, meta), strict=True):
+        parts = self.function_scores(prompts, responses, meta, trainer_state)
+        for weight, scores in zip(self.weights, parts, strict=True):
             total += weight * scores
+        sink = _PARTS.get()
+        if sink is not None and parts:
+            sink.append(torch.stack(parts, dim=1))
         if reward_model is not None:
             if sequence_ids is None:
                 raise ValueError("RewardComposer: a reward model needs sequence_ids (the policy's token ids)")
@@ -125,10 +166,17 @@ class RewardComposer:
             raise RewardError("the combined reward is not finite; check the reward model's outputs")
         return total
 
-    def function_scores(self, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> list[Tensor]:
+    def function_scores(
+        self,
+        prompts: list[str],
+        responses: list[str],
+        meta: dict[str, list[Any]],
+        trainer_state: TrainerState | None = None,
+    ) -> list[Tensor]:
         """Each reward function's checked (B,) scores, in the order of `reward_fns`."""
         calls: list[list[RewardCall]] = [
-            chunked(fn, prompts, responses, meta, self.workers if is_rowwise(fn) else 1) for fn in self.reward_fns
+            chunked(fn, prompts, responses, meta, self.workers if is_rowwise(fn) else 1, trainer_state)
+            for fn in self.reward_fns
         ]
         threaded = [
             c for fn, per_fn in zip(self.reward_fns, calls, strict=True) if not self.in_process(fn) for c in per_fn

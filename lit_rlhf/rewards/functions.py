@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib
 import numbers
+import os
 import pickle
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lit_rlhf.config import ConfigError
-from lit_rlhf.rewards.binding import SignatureError, call, form
+from lit_rlhf.rewards.binding import SignatureError, TrainerState, call, form
 from lit_rlhf.rewards.isolation import IsolationError, ProcessWorkers, shared_workers
 
 RewardFn = Callable[..., Any]
@@ -31,12 +33,26 @@ CONTRACT = (
 )
 
 
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+"""A Hugging Face hub id, 'owner/name': never a dotted path."""
+
+
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable; the message names it."""
 
 
+def looks_like_model(path: str) -> bool:
+    """Whether `path` names a folder or a hub id ('owner/name') rather than a Python function."""
+    return os.path.isdir(path) or "/" in path or "\\" in path or HUB_ID.fullmatch(path) is not None
+
+
 def import_callable(path: str, field: str = "reward_fns") -> RewardFn:
     """The callable at dotted `path` ('package.module.function' or 'package.module:function')."""
+    if looks_like_model(path):
+        raise ConfigError(
+            f"{field}: {path!r} looks like a model folder or hub id, not a function; a reward model goes in "
+            "model.reward_model (and its tokenizer, when it is not the policy's, in model.reward_tokenizer)"
+        )
     module_name, sep, attr = path.replace(":", ".").rpartition(".")
     if not sep or not module_name:
         raise ConfigError(f"{field}: {path!r} is not a dotted path like 'my_package.rewards.my_reward'")
@@ -61,10 +77,24 @@ def import_callable(path: str, field: str = "reward_fns") -> RewardFn:
     return fn
 
 
-def resolve_reward_fns(fns: Sequence[str | RewardFn] | None, field: str = "reward_fns") -> list[RewardFn]:
+RewardFns = str | RewardFn | Sequence[str | RewardFn]
+"""What `reward_fns` and `metric_fns` take: one function (a callable or a dotted path, as TRL's `reward_funcs`
+takes one) or a list of them."""
+
+
+def function_list(fns: RewardFns | None) -> list[str | RewardFn] | None:
+    """`fns` as a list: one callable or dotted path becomes a list of one; None stays None."""
+    if fns is None:
+        return None
+    if isinstance(fns, str) or callable(fns):
+        return [fns]
+    return list(fns)
+
+
+def resolve_reward_fns(fns: RewardFns | None, field: str = "reward_fns") -> list[RewardFn]:
     """Callables as given, dotted paths imported, their signatures checked (a `ConfigError` naming `field` when
-    one fails)."""
-    resolved = [import_callable(f, field) if isinstance(f, str) else f for f in (fns or [])]
+    one fails); one function is a list of one."""
+    resolved = [import_callable(f, field) if isinstance(f, str) else f for f in (function_list(fns) or [])]
     for fn in resolved:
         check_signature(fn, field)
     return resolved
@@ -137,17 +167,29 @@ def own_timeout(fn: RewardFn) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def invoke(fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]]) -> Any:
-    """`fn`'s raw answer; any exception from it (SystemExit too, not KeyboardInterrupt) as a `RewardError`."""
+def invoke(
+    fn: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    meta: dict[str, list[Any]],
+    state: TrainerState | None = None,
+) -> Any:
+    """`fn`'s raw answer (awaited, for an async function); any exception from it (SystemExit too, not
+    KeyboardInterrupt) as a `RewardError`."""
     try:
-        return call(fn, prompts, responses, meta)
+        return call(fn, prompts, responses, meta, state)
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # user code: sys.exit() in it must not end the run quietly
-        raise RewardError(
-            f"reward function {_name(fn)} raised {type(err).__name__}: {err} "
-            f"(batch of {len(prompts)}, first prompt {prompts[0]!r})"
-        ) from err
+        raise raised_error(fn, prompts, err) from err
+
+
+def raised_error(fn: RewardFn, prompts: list[str], err: BaseException) -> RewardError:
+    """The `RewardError` for `fn` raising `err` on a batch."""
+    return RewardError(
+        f"reward function {_name(fn)} raised {type(err).__name__}: {err} "
+        f"(batch of {len(prompts)}, first prompt {prompts[0]!r})"
+    )
 
 
 def _describe(raw: Any) -> str:
@@ -221,24 +263,34 @@ def check_scores(
 
 
 def call_reward_fn(
-    fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], nan_score: float | None = None
+    fn: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    meta: dict[str, list[Any]],
+    nan_score: float | None = None,
+    state: TrainerState | None = None,
 ) -> Tensor:
     """Call `fn` and check its answer against the contract: -> (B,) float32 tensor on CPU. A function marked
     `isolated` runs in a worker process, within its own `timeout_s` when it has one."""
     if is_isolated(fn):
-        return run_in_workers(shared_workers(), [(fn, prompts, responses, meta, 0)], nan_score, own_timeout(fn))[0]
-    return check_scores(fn, invoke(fn, prompts, responses, meta), prompts, responses, nan_score)
+        calls = [(fn, prompts, responses, meta, 0)]
+        return run_in_workers(shared_workers(), calls, nan_score, own_timeout(fn), state)[0]
+    return check_scores(fn, invoke(fn, prompts, responses, meta, state), prompts, responses, nan_score)
 
 
-def timeout_error(fn: RewardFn, prompts: list[str], timeout_s: float, killed: bool) -> RewardError:
-    fate = (
-        "its worker process was killed"
-        if killed
-        else "its thread is left running as a daemon (Python cannot stop a thread)"
-    )
+FATES = {
+    "killed": "its worker process was killed",
+    "thread": "its thread is left running as a daemon (Python cannot stop a thread)",
+    "cancelled": "its coroutine was cancelled",
+}
+"""What happens to a call past its time limit, by where it ran."""
+
+
+def timeout_error(fn: RewardFn, prompts: list[str], timeout_s: float, fate: str) -> RewardError:
+    """The `RewardError` for a call of `fn` past `timeout_s`; `fate` is a key of `FATES`."""
     return RewardError(
         f"reward function {_name(fn)} did not return within reward_timeout_s={timeout_s:g} s (batch of "
-        f"{len(prompts)}, first prompt {prompts[0]!r}); the run stops here and {fate}. Make the function "
+        f"{len(prompts)}, first prompt {prompts[0]!r}); the run stops here and {FATES[fate]}. Make the function "
         "faster or raise model.reward_timeout_s"
     )
 
@@ -248,17 +300,18 @@ def run_in_workers(
     calls: Sequence[tuple[RewardFn, list[str], list[str], dict[str, list[Any]], int]],
     nan_score: float | None,
     timeout_s: float | None,
+    state: TrainerState | None = None,
 ) -> list[Tensor]:
     """Each call (fn, prompts, responses, meta, offset of its first row) run in a worker process, its answer
     checked against the contract -> (b,) scores, in order; a failure, an overrun (the worker is killed) or a dead
     worker is a `RewardError` naming the function."""
     try:
-        raws = workers.run([(fn, p, r, m) for fn, p, r, m, _ in calls], timeout_s)
+        raws = workers.run([(fn, p, r, m, state) for fn, p, r, m, _ in calls], timeout_s)
     except IsolationError as err:
         fn, prompts = calls[err.index][0], calls[err.index][1]
         batch = f"batch of {len(prompts)}, first prompt {prompts[0]!r}"
         if err.kind == "timeout":
-            raise timeout_error(fn, prompts, timeout_s or 0.0, killed=True) from err
+            raise timeout_error(fn, prompts, timeout_s or 0.0, "killed") from err
         if err.kind == "error":
             raise RewardError(f"reward function {callable_path(fn)} raised {err.detail} ({batch})") from err
         if err.kind == "died":

@@ -28,8 +28,8 @@ START_TIMEOUT_S = 300.0
 PRELOAD = ["lit_rlhf.rewards.functions"]
 """Modules the forkserver imports once, so that each new worker starts in milliseconds."""
 
-Request = tuple[Any, list[str], list[str], dict[str, list[Any]]]
-"""(fn, prompts, responses, meta): one call."""
+Request = tuple[Any, list[str], list[str], dict[str, list[Any]], Any]
+"""(fn, prompts, responses, meta, trainer_state): one call."""
 
 
 class IsolationError(RuntimeError):
@@ -46,7 +46,7 @@ def default_start_method() -> str:
 
 
 def _serve(conn: Connection) -> None:
-    """A worker process: run (fn, prompts, responses, meta) requests until the pipe closes."""
+    """A worker process: run (fn, prompts, responses, meta, trainer_state) requests until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     while True:
@@ -55,8 +55,8 @@ def _serve(conn: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            fn, prompts, responses, meta = pickle.loads(request)
-            reply: tuple[Any, ...] = ("ok", call(fn, prompts, responses, meta))
+            fn, prompts, responses, meta, state = pickle.loads(request)
+            reply: tuple[Any, ...] = ("ok", call(fn, prompts, responses, meta, state))
             payload = pickle.dumps(reply)
         except BaseException as err:  # user code: reported to the parent, which raises a RewardError
             payload = pickle.dumps(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))

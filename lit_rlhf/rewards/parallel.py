@@ -15,12 +15,16 @@ Two kinds of workers, with different guarantees (docs/settings.md, "Which guaran
   method where there is one (else 'spawn'), never a plain fork of the training process (its threads and CUDA
   state).
 
+An `async def` function's calls do not take a thread: a batch's async calls all run concurrently on one event loop
+(`gather_async`), each within `timeout_s` (a call past it is cancelled), before the other calls run.
+
 Daemon threads are used instead of `concurrent.futures`, whose workers the interpreter joins at exit (a stuck
 call would then hang the exit).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import faulthandler
 import itertools
@@ -33,7 +37,16 @@ from typing import Any
 
 from torch import Tensor
 
-from lit_rlhf.rewards.functions import RewardError, RewardFn, check_scores, invoke, run_in_workers, timeout_error
+from lit_rlhf.rewards.binding import TrainerState, is_async, run_on_own_loop, start
+from lit_rlhf.rewards.functions import (
+    RewardError,
+    RewardFn,
+    check_scores,
+    invoke,
+    raised_error,
+    run_in_workers,
+    timeout_error,
+)
 from lit_rlhf.rewards.isolation import ProcessWorkers
 
 BACKSTOP_GRACE_S = 2.0
@@ -49,20 +62,42 @@ class RewardCall:
     responses: list[str]
     meta: dict[str, list[Any]]
     offset: int = 0
+    state: TrainerState | None = None
 
     def __call__(self, nan_score: float | None) -> Tensor:
-        raw = invoke(self.fn, self.prompts, self.responses, self.meta)
+        return self.checked(invoke(self.fn, self.prompts, self.responses, self.meta, self.state), nan_score)
+
+    def checked(self, raw: Any, nan_score: float | None) -> Tensor:
+        """`raw`, this call's answer, checked against the contract -> (b,) scores."""
         return check_scores(self.fn, raw, self.prompts, self.responses, nan_score, self.offset)
+
+    async def awaited(self, nan_score: float | None, timeout_s: float | None) -> Tensor:
+        """This call of an async function, awaited within `timeout_s` (cancelled past it) and checked."""
+        try:
+            answer = start(self.fn, self.prompts, self.responses, self.meta, self.state)
+            raw = await asyncio.wait_for(answer, timeout_s) if asyncio.iscoroutine(answer) else answer
+        except TimeoutError as err:
+            raise timeout_error(self.fn, self.prompts, timeout_s or 0.0, "cancelled") from err
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            raise
+        except BaseException as err:  # user code, as `invoke`
+            raise raised_error(self.fn, self.prompts, err) from err
+        return self.checked(raw, nan_score)
 
 
 def chunked(
-    fn: RewardFn, prompts: list[str], responses: list[str], meta: dict[str, list[Any]], n: int
+    fn: RewardFn,
+    prompts: list[str],
+    responses: list[str],
+    meta: dict[str, list[Any]],
+    n: int,
+    state: TrainerState | None = None,
 ) -> list[RewardCall]:
     """`n` calls of `fn` on consecutive slices of the batch (sizes differ by at most one), in order."""
     b, n = len(prompts), max(1, min(n, len(prompts)))
     bounds = [b * i // n for i in range(n + 1)]
     return [
-        RewardCall(fn, prompts[lo:hi], responses[lo:hi], {k: v[lo:hi] for k, v in meta.items()}, lo)
+        RewardCall(fn, prompts[lo:hi], responses[lo:hi], {k: v[lo:hi] for k, v in meta.items()}, lo, state)
         for lo, hi in itertools.pairwise(bounds)
     ]
 
@@ -107,9 +142,16 @@ def run_calls(
 ) -> list[Tensor]:
     """Each call's checked (b,) scores, in the order of `calls`, whatever order they finish in.
 
-    workers 0: one call at a time (in this thread when there is no timeout); n: up to n calls at once.
-    The first failure seen (lowest call index) or the first call past `timeout_s` raises here.
+    The calls of async functions first, all at once (`gather_async`); then the others: workers 0: one call at a
+    time (in this thread when there is no timeout); n: up to n calls at once. The first failure seen (lowest call
+    index) or the first call past `timeout_s` raises here.
     """
+    waits = [i for i, c in enumerate(calls) if is_async(c.fn)]
+    if waits:
+        done = dict(zip(waits, gather_async([calls[i] for i in waits], nan_score, timeout_s), strict=True))
+        rest = [i for i in range(len(calls)) if i not in done]
+        done.update(zip(rest, run_calls([calls[i] for i in rest], nan_score, workers, timeout_s), strict=True))
+        return [done[i] for i in range(len(calls))]
     if workers == 0 and timeout_s is None:
         return [call(nan_score) for call in calls]
     pool = _Pool(calls, nan_score, [_Slot() for _ in calls])
@@ -118,6 +160,15 @@ def run_calls(
         for _ in range(n_threads):
             threading.Thread(target=pool.work, name="lit_rlhf-reward", daemon=True).start()
         return _wait(pool, calls, timeout_s)
+
+
+def gather_async(calls: list[RewardCall], nan_score: float | None, timeout_s: float | None) -> list[Tensor]:
+    """The checked scores of calls of async functions, in order, all awaited concurrently on one event loop."""
+
+    async def everything() -> list[Tensor]:
+        return list(await asyncio.gather(*(call.awaited(nan_score, timeout_s) for call in calls)))
+
+    return run_on_own_loop(everything())
 
 
 def _wait(pool: _Pool, calls: list[RewardCall], timeout_s: float | None) -> list[Tensor]:
@@ -143,15 +194,16 @@ def _wait(pool: _Pool, calls: list[RewardCall], timeout_s: float | None) -> list
 
 
 def _timeout_error(call: RewardCall, timeout_s: float) -> RewardError:
-    return timeout_error(call.fn, call.prompts, timeout_s, killed=False)
+    return timeout_error(call.fn, call.prompts, timeout_s, "thread")
 
 
 def run_in_processes(
     workers: ProcessWorkers, calls: list[RewardCall], nan_score: float | None, timeout_s: float | None
 ) -> list[Tensor]:
     """Each call's checked scores, in order, from worker processes (`lit_rlhf.rewards.isolation`)."""
+    state = calls[0].state if calls else None
     return run_in_workers(
-        workers, [(c.fn, c.prompts, c.responses, c.meta, c.offset) for c in calls], nan_score, timeout_s
+        workers, [(c.fn, c.prompts, c.responses, c.meta, c.offset) for c in calls], nan_score, timeout_s, state
     )
 
 

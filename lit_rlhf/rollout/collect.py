@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lit_rlhf.algorithms.losses import overlong_penalty
 from lit_rlhf.config import AlgorithmConfig, SamplingConfig
+from lit_rlhf.rewards.composer import one_part, reward_parts
 from lit_rlhf.rollout.backends.base import RolloutBackend
 from lit_rlhf.rollout.generation import EosIds, Generation, decode_responses
 from lit_rlhf.types import PromptBatch, Rollout
@@ -60,6 +61,7 @@ class Sampled:
     prompts: list[str]  # B prompt strings, each repeated G times
     responses: list[str]  # B decoded responses
     meta: dict[str, list[Any]]  # extra prompt columns, each a list of B
+    reward_parts: Tensor | None = None  # (B, F) each reward function's scores, once scored (`Rollout.reward_parts`)
 
     def rollout(self, scores: Tensor, policy_version: int) -> Rollout:
         gen = self.gen
@@ -75,6 +77,7 @@ class Sampled:
             meta=self.meta,
             policy_version=policy_version,
             sampler_logprobs=gen.logprobs,
+            reward_parts=self.reward_parts,
         )
 
 
@@ -113,9 +116,12 @@ class SingleTurnCollector:
     @torch.no_grad()
     def final_scores(self, sampled: Sampled) -> Tensor:
         """(B,) float32 scores on the responses' device: `score`'s, then `truncated_score` for responses that hit
-        the length limit (when set), then the over-long shaping (when on) added to every score."""
+        the length limit (when set), then the over-long shaping (when on) added to every score. Each reward
+        function's own scores are kept as `sampled.reward_parts`."""
         gen, settings = sampled.gen, self.settings
-        scores = self.score(sampled.prompts, sampled.responses, sampled.meta, gen).to(gen.response_ids.device).float()
+        with reward_parts() as parts:
+            scores = self.score(sampled.prompts, sampled.responses, sampled.meta, gen)
+        scores, sampled.reward_parts = scores.to(gen.response_ids.device).float(), one_part(parts)
         if settings.truncated_score is not None:
             scores = torch.where(gen.truncated, torch.full_like(scores, settings.truncated_score), scores)
         if settings.overlong is not None:

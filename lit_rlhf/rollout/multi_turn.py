@@ -23,6 +23,7 @@ from torch import Tensor
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError
 from lit_rlhf.models.stop_ids import stop_token_ids
+from lit_rlhf.rewards.composer import one_part, reward_parts
 from lit_rlhf.rollout.backends.base import RolloutBackend
 from lit_rlhf.rollout.collect import RolloutSettings, RolloutTimings, ScoreFn, repeat_rows
 from lit_rlhf.rollout.environment import (
@@ -229,7 +230,8 @@ class MultiTurnCollector:
         attended = response_mask | context_mask
         responses = decode_responses(self.tokenizer, response_ids, attended, sorted(self.stop_ids))
         conversation = Generation(prompt_ids, prompt_mask, response_ids, attended, truncated)
-        scores = self.score(texts, responses, meta, conversation).to(device).float()
+        with reward_parts() as parts:
+            scores = self.score(texts, responses, meta, conversation).to(device).float()
         scores = scores + torch.tensor([e.reward for e in episodes], dtype=torch.float32, device=device)
         if self.settings.truncated_score is not None:
             scores = torch.where(truncated, torch.full_like(scores, self.settings.truncated_score), scores)
@@ -244,6 +246,7 @@ class MultiTurnCollector:
             prompts=texts,
             responses=responses,
             meta=meta,
+            reward_parts=one_part(parts),
             policy_version=policy_version,
         )
 

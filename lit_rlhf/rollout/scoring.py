@@ -47,6 +47,7 @@ class PendingRollout:
     def __init__(self, sampled: Sampled, compute: Callable[[], Tensor], policy_version: int, timings: OverlapTimings):
         nan = torch.full((len(sampled.responses),), float("nan"), device=sampled.gen.response_ids.device)
         self.unscored = sampled.rollout(nan, policy_version)
+        self._sampled = sampled  # its reward_parts are set by the scoring thread
         self.timings = timings
         self._compute = compute
         self.done = threading.Event()
@@ -79,7 +80,7 @@ class PendingRollout:
         if self._error is not None:
             raise self._error
         assert self._scores is not None  # the thread set one of the two
-        return dataclasses.replace(self.unscored, scores=self._scores)
+        return dataclasses.replace(self.unscored, scores=self._scores, reward_parts=self._sampled.reward_parts)
 
 
 def start_rollout(

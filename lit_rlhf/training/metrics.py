@@ -44,6 +44,20 @@ def rollout_metrics(exp: Experience, algo: AlgorithmConfig) -> dict[str, float]:
     return metrics
 
 
+def reward_part_metrics(exp: Experience, names: list[str]) -> dict[str, float]:
+    """`reward/<name>/mean` and `reward/<name>/std` of each reward function's own scores (before weighting and
+    truncation handling) in this experience, as TRL logs `rewards/<name>/mean` and `/std`; none when the rollout
+    has no such scores (no reward functions, or a `compute_scores` override that bypasses the composer)."""
+    parts = exp.reward_parts
+    if parts is None or parts.shape[1] != len(names):
+        return {}
+    metrics: dict[str, float] = {}
+    for name, scores in zip(names, parts.float().unbind(1), strict=True):
+        metrics[f"reward/{name}/mean"] = float(scores.mean())
+        metrics[f"reward/{name}/std"] = float(scores.std()) if exp.batch_size > 1 else 0.0
+    return metrics
+
+
 class MetricWindow:
     """Each metric's mean over the steps since the last log write (as TRL averages over `logging_steps`).
 

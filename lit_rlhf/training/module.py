@@ -33,9 +33,9 @@ from lit_rlhf.config import (
 from lit_rlhf.models.build import BUILD_OPTIONS, MODEL_ARGUMENTS, ModelSpecs, build_models
 from lit_rlhf.models.export import PolicyExport
 from lit_rlhf.models.loading import load_tokenizer
-from lit_rlhf.models.lora import lora_config
+from lit_rlhf.models.lora import lora_settings
 from lit_rlhf.rewards.composer import RewardComposer, RewardIsolation
-from lit_rlhf.rewards.functions import RewardFn, resolve_reward_fns
+from lit_rlhf.rewards.functions import RewardFns, function_list, resolve_reward_fns
 from lit_rlhf.rollout.collect import RolloutSettings
 from lit_rlhf.rollout.environment import EnvironmentConfig
 from lit_rlhf.rollout.generation import Generation
@@ -58,6 +58,7 @@ from lit_rlhf.training.sharding import (
 )
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_logging import StepLogging
+from lit_rlhf.training.trainer_state import reward_trainer_state
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 
@@ -111,7 +112,7 @@ class RLHFModule(
         reference: Any = None,
         reward_model: Any = None,
         reward_tokenizer: Any = None,
-        reward_fns: Sequence[str | RewardFn] | None = None,
+        reward_fns: RewardFns | None = None,
         reward_weights: Sequence[float] | None = None,
         reward_model_weight: float = 1.0,
         nan_score: float | None = None,
@@ -131,7 +132,7 @@ class RLHFModule(
         trust_remote_code: bool = False,
         max_consecutive_skips: int = 3,
         lora: dict[str, Any] | None = None,
-        metric_fns: Sequence[str | RewardFn] | None = None,
+        metric_fns: RewardFns | None = None,
         val_sampling: SamplingConfig | None = None,
         val_samples_per_prompt: int = 1,
         environment: EnvironmentConfig | None = None,
@@ -141,14 +142,14 @@ class RLHFModule(
     ):
         super().__init__()
         self.automatic_optimization = False
+        # one function alone is a list of one; LoRA settings checked before any model loads (a LoraConfig as a dict)
+        reward_fns, metric_fns, lora = function_list(reward_fns), function_list(metric_fns), lora_settings(lora)
         self.algorithm, self.sampling = algorithm_and_sampling(algorithm, sampling)
         check_module_settings(locals(), self.sampling)  # every argument, before any model loads
         algo = self.algorithm
         self.setup_rollouts(conversations_from(environment, algo), RolloutSettings.training(algo, self.sampling))
         val = held_out_sampling(val_sampling, self.sampling)
         self.setup_evaluation(resolve_reward_fns(metric_fns, "model.metric_fns"), val, val_samples_per_prompt)
-        if lora is not None:
-            lora_config(lora)  # fail on bad LoRA settings before any model is loaded
         settings = (reward_weights, reward_model_weight, nan_score, reward_timeout_s, reward_workers, reward_isolation)
         self.reward = RewardComposer(resolve_reward_fns(reward_fns), *settings)  # an unimportable one fails now
         self.specs = ModelSpecs(policy, tokenizer, reference, reward_model, reward_tokenizer)
@@ -220,7 +221,7 @@ class RLHFModule(
         tokens_per_s = float(experience.response_mask.sum()) / clock.total_s()
         values = {**logs.rollout_metrics(experience, self.algorithm), **update_stats, **clock.metrics(timings)}
         values.update(shaping_metrics(experience, self.algorithm, self.sampling.max_new_tokens))
-        values.update(sampler_metrics(experience))
+        values.update({**sampler_metrics(experience), **logs.reward_part_metrics(experience, self.reward.names())})
         values.update({**timings.metrics, **overlap_metrics(timings)})
         skipped = float(self.state.skipped_updates)
         values.update({"perf/tokens_per_s": tokens_per_s, "optim/lr": lr, "optim/skipped_updates": skipped})
@@ -233,7 +234,8 @@ class RLHFModule(
         """Hook: one score per response, (B,) float. Default: the weighted reward functions and reward model.
         Every rollout and every held-out evaluation is scored here (truncation handling comes after)."""
         ids, mask, last = generation.input_ids(), generation.attention_mask(), generation.last_index()
-        scores = self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated)
+        state = reward_trainer_state(self._trainer, self.algorithm)  # TRL's `trainer_state`, for functions taking it
+        scores = self.reward(prompts, responses, meta, self.reward_model, ids, mask, last, ~generation.truncated, state)
         reshard_frozen(self.reward_model)  # FSDP2
         return scores
 
