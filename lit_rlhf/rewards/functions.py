@@ -139,6 +139,7 @@ def rowwise(fn: RewardFn) -> RewardFn:
 
 
 def is_rowwise(fn: RewardFn) -> bool:
+    """Whether `rowwise` marked `fn`."""
     return getattr(fn, "lit_rlhf_rowwise", False) is True
 
 
@@ -158,6 +159,7 @@ def isolated(fn: RewardFn | None = None, *, timeout_s: float | None = None) -> A
 
 
 def is_isolated(fn: RewardFn) -> bool:
+    """Whether `isolated` marked `fn`."""
     return getattr(fn, "lit_rlhf_isolated", False) is True
 
 
