@@ -5,12 +5,15 @@ sample them with) and later takes each finished rollout by its number. The produ
 in order; it holds no collective and touches no state of the training thread's except through the job. An
 exception in a job stops the producer and is raised again, the same object with its type, by the next `take`
 (or `submit`). `close` drops the queued jobs and ends the thread after the job it is running; the thread is a
-daemon, so even a job that never returns cannot keep the process alive.
+daemon, so even a job that never returns cannot keep the process alive. `take` given a `stop` test stops waiting
+(`ProducerStopped`) once it is true, and `settle` given a deadline returns what finished by then: a job that never
+returns (a hung reward) cannot hold a shutdown.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +22,13 @@ from torch import Tensor
 
 from lit_rlhf.rollout.collect import RolloutTimings
 from lit_rlhf.types import PromptBatch, Rollout
+
+STOP_POLL_S = 0.2
+"""How often a `take` with a `stop` test looks at it."""
+
+
+class ProducerStopped(RuntimeError):
+    """`take` stopped waiting because its `stop` test became true (a SIGTERM, say)."""
 
 
 @dataclass
@@ -86,8 +96,9 @@ class RolloutProducer:
             self._done[produced.index] = produced
             self._changed.notify_all()
 
-    def take(self, index: int) -> ProducedRollout:
-        """Rollout `index`, waiting for it; the producer's exception when it failed."""
+    def take(self, index: int, stop: Callable[[], bool] | None = None) -> ProducedRollout:
+        """Rollout `index`, waiting for it; the producer's exception when it failed; `ProducerStopped` once
+        `stop()` is true (looked at every `STOP_POLL_S`)."""
         with self._changed:
             while index not in self._done:
                 self._raise_if_failed()
@@ -95,15 +106,21 @@ class RolloutProducer:
                     raise RuntimeError(f"RolloutProducer.take: rollout {index} was never submitted")
                 if self._paused and index != self._running:
                     raise RuntimeError(f"RolloutProducer.take: rollout {index} waits behind a pause; resume first")
-                self._changed.wait()
+                if stop is not None and stop():
+                    raise ProducerStopped(f"RolloutProducer.take: stopped while waiting for rollout {index}")
+                self._changed.wait(None if stop is None else STOP_POLL_S)
             return self._done.pop(index)
 
-    def settle(self) -> list[ProducedRollout]:
-        """Wait until no job is queued or running; the finished rollouts not taken yet, by number (kept)."""
+    def settle(self, deadline: Callable[[], float | None] | None = None) -> list[ProducedRollout]:
+        """Wait until no job is queued or running, or until the `time.monotonic()` that `deadline()` gives (None:
+        no limit yet; looked at every `STOP_POLL_S`); the finished rollouts not taken yet, by number (kept)."""
         with self._changed:
             while (self._queued and not self._paused) or self._running is not None:
                 self._raise_if_failed()
-                self._changed.wait()
+                until = deadline() if deadline is not None else None
+                if until is not None and time.monotonic() >= until:
+                    break
+                self._changed.wait(None if deadline is None else STOP_POLL_S)
             self._raise_if_failed()
             return [self._done[index] for index in sorted(self._done)]
 

@@ -41,6 +41,10 @@ from lit_rlhf.types import PromptBatch, Rollout
 
 CLOSE_TIMEOUT_S = 120.0
 """How long the end of fit waits for the producer's running job (a backend call has its own timeout too)."""
+SHUTDOWN_WAIT_S = 10.0
+"""How long a run stopping on SIGTERM, Ctrl-C or an error waits for the producer's running job, in all: for the
+`last.ckpt` it saves (the rollouts finished by then are kept, the running one is sampled again on resume) and
+when the producer is closed (then its daemon thread is left to end with the process)."""
 SEED_STRIDE = 1_000_003
 """Rollout m of rank r draws from seed `base + r * SEED_STRIDE + m` (a prime stride keeps ranks apart)."""
 
@@ -107,6 +111,7 @@ class AsyncRollouts:
         self.enter_thread_state = thread_state()  # autocast and CUDA device of the training thread
         self.producer = RolloutProducer(self.work)
         self.warned_restart = False
+        self._shutdown_deadline: float | None = None  # set when a stopping run first waits for the producer
 
     # ---------------------------------------------------------------- the producer thread
 
@@ -144,9 +149,12 @@ class AsyncRollouts:
             refills = [self.supply.refill_batch(refill_position(index + 1, j, rounds, size)) for j in range(1, rounds)]
         return RolloutJob(index, prompts, weights, step, version, refills)
 
-    def take(self, prompts: PromptBatch, step: int, policy_version: int) -> tuple[Rollout, RolloutTimings]:
+    def take(
+        self, prompts: PromptBatch, step: int, policy_version: int, stop: Callable[[], bool] | None = None
+    ) -> tuple[Rollout, RolloutTimings]:
         """The rollout of training step `step` (0-based) on `prompts`, after queueing the rollouts up to
-        `step + max_staleness` (their prompts read ahead) with the current weights."""
+        `step + max_staleness` (their prompts read ahead) with the current weights; `ProducerStopped` once
+        `stop()` is true while it waits."""
         start = time.perf_counter()
         k, known = self.settings.max_staleness, self.producer.known()
         missing = [index for index in range(step, step + k + 1) if index not in known]
@@ -155,9 +163,9 @@ class AsyncRollouts:
             batches = [prompts, *self.supply.batches_after(prompts.position, k)]  # steps step .. step + k
             for index in missing:
                 self.producer.submit(self.job(index, batches[index - step], weights, step, policy_version))
-        produced = self.producer.take(step)
+        produced = self.producer.take(step, stop)
         if produced.prompt_texts != list(prompts.texts):
-            return self.restart(prompts, step, policy_version)
+            return self.restart(prompts, step, policy_version, stop)
         staleness = step - produced.weights_step
         if not 0 <= staleness <= k:
             raise RuntimeError(
@@ -173,7 +181,9 @@ class AsyncRollouts:
         }
         return rollout, timings
 
-    def restart(self, prompts: PromptBatch, step: int, policy_version: int) -> tuple[Rollout, RolloutTimings]:
+    def restart(
+        self, prompts: PromptBatch, step: int, policy_version: int, stop: Callable[[], bool] | None
+    ) -> tuple[Rollout, RolloutTimings]:
         """The step's prompts are not those read ahead: drop every rollout in flight and start again from them."""
         if not self.warned_restart:
             warnings.warn(
@@ -185,7 +195,7 @@ class AsyncRollouts:
             self.warned_restart = True
         self.producer.close()
         self.producer = RolloutProducer(self.work)
-        return self.take(prompts, step, policy_version)
+        return self.take(prompts, step, policy_version, stop)
 
     def evaluation_backend(self) -> RolloutBackend:
         """The sampler's backend with the live policy's weights, for held-out evaluation while the producer is
@@ -199,9 +209,18 @@ class AsyncRollouts:
         self.synced_version = -1
         return self.backend
 
-    def in_flight(self) -> list[dict[str, Any]]:
-        """Every rollout queued, running or finished and not taken, finished now, as checkpoint records."""
-        return [produced_record(p) for p in self.producer.settle()]
+    def in_flight(self, stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+        """Every rollout queued, running or finished and not taken, finished now, as checkpoint records; once
+        `stop()` is true, those finished by the shutdown's deadline (the others are sampled again on resume)."""
+        deadline = None if stop is None else lambda: self.shutdown_deadline() if stop() else None
+        return [produced_record(p) for p in self.producer.settle(deadline)]
+
+    def shutdown_deadline(self) -> float:
+        """When a stopping run stops waiting for the producer: `SHUTDOWN_WAIT_S` after it first asked, one wait
+        for every checkpoint and the close together."""
+        if self._shutdown_deadline is None:
+            self._shutdown_deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        return self._shutdown_deadline
 
     def restore(self, records: list[dict[str, Any]], step: int) -> None:
         """Put back the rollouts a checkpoint kept in flight, from training step `step` on; those the bound no
@@ -210,13 +229,15 @@ class AsyncRollouts:
             if record["index"] >= step and record["index"] - record["weights_step"] <= self.settings.max_staleness:
                 self.producer.put(produced_from_record(record))
 
-    def close(self) -> None:
-        """End the producer (its running job finishes first, for up to `CLOSE_TIMEOUT_S`) and the backend."""
-        self.producer.close(CLOSE_TIMEOUT_S)
+    def close(self, stopping: bool = False) -> None:
+        """End the producer (its running job finishes first, for up to `CLOSE_TIMEOUT_S`, or until the shutdown's
+        deadline when `stopping`) and the backend."""
+        timeout_s = max(0.0, self.shutdown_deadline() - time.monotonic()) if stopping else CLOSE_TIMEOUT_S
+        self.producer.close(timeout_s)
         if self.producer.alive:
             warnings.warn(
-                f"asynchronous rollouts: the producer's last job did not finish within {CLOSE_TIMEOUT_S} s of the "
-                "end of fit; its daemon thread is left to end with it",
+                f"asynchronous rollouts: the producer's last job did not finish within {timeout_s} s of the "
+                "end of fit; its daemon thread is left to end with the process",
                 stacklevel=2,
             )
             return  # the job still uses the backend

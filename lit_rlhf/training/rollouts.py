@@ -8,11 +8,13 @@ rollouts sampled ahead by `async_rollouts`), and does the DataModule hand-off (`
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
@@ -28,6 +30,7 @@ from lit_rlhf.rollout.collect import Collector, RolloutSettings, RolloutTimings,
 from lit_rlhf.rollout.dynamic import dynamic_rollout, refill_source
 from lit_rlhf.rollout.generation import Generation
 from lit_rlhf.rollout.multi_turn import Conversations, MultiTurnCollector
+from lit_rlhf.rollout.producer import ProducerStopped
 from lit_rlhf.rollout.scoring import PendingRollout, start_rollout
 from lit_rlhf.training.async_rollouts import AsyncRollouts, AsyncSettings
 from lit_rlhf.training.sharding import is_fsdp2, unsharded_for_rollout
@@ -142,7 +145,12 @@ class Rollouts(L.LightningModule):
         ahead for this step (`async_rollouts`)."""
         algo, G, version = self.algorithm, self.algorithm.filled.group_size, self.state.policy_version
         if algo.max_staleness:
-            return self.async_rollouts().take(prompts, self.state.rollouts_done - 1, version)
+            try:  # a hung job holds no SIGTERM
+                return self.async_rollouts().take(
+                    prompts, self.state.rollouts_done - 1, version, self.received_sigterm()
+                )
+            except ProducerStopped:
+                raise SIGTERMException from None  # Lightning's own stop: last.ckpt saved, exit status 143
         collector = self.collector(self.rollout_settings)
         with eval_mode(self.actor_critic), unsharded_for_rollout(self.actor_critic):  # FSDP2: gathered once
             if self.hparams["overlap_scoring"]:  # refused with an environment: a single-turn collector
@@ -154,6 +162,11 @@ class Rollouts(L.LightningModule):
             refill = refill_source(supply.refill_batch, supply.batch_size, self.state.rollouts_done, rounds)
             collect = lambda batch: collector.collect(batch, version)  # noqa: E731
             return dynamic_rollout(collect, prompts, refill, G, rounds, self.tokenizer.pad_token_id)
+
+    def received_sigterm(self) -> Callable[[], bool] | None:
+        """A test of whether the Trainer received SIGTERM (None without a Trainer)."""
+        trainer = self._trainer
+        return (lambda: trainer.received_sigterm) if trainer is not None else None
 
     def async_rollouts(self) -> AsyncRollouts:
         """The background sampler of `algorithm.max_staleness` > 0, made at the first step (the checkpoint's
@@ -192,8 +205,8 @@ class Rollouts(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the asynchronous rollouts sampled ahead (waiting for those in flight), for an exact resume."""
         super().on_save_checkpoint(checkpoint)
-        if self._async is not None:
-            checkpoint[IN_FLIGHT_KEY] = self._async.in_flight()
+        if self._async is not None:  # on SIGTERM a hung job is left out (sampled again on resume)
+            checkpoint[IN_FLIGHT_KEY] = self._async.in_flight(self.received_sigterm())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -226,17 +239,18 @@ class Rollouts(L.LightningModule):
         assert isinstance(inherited, list)  # LightningModule's own: []
         return [*inherited, CloseRollouts()]
 
-    def close_rollouts(self) -> None:
-        """Stop the asynchronous sampler and close every backend (at teardown, or when fit fails)."""
+    def close_rollouts(self, stopping: bool = False) -> None:
+        """Stop the asynchronous sampler and close every backend (at teardown, or when fit fails or stops:
+        `stopping`, a bounded wait for the sampler's running job)."""
         if self._async is not None:
-            self._async.close()
+            self._async.close(stopping)
             self._async = None
         for backend, _ in self._backends.values():
             backend.close()
         self._backends.clear()
 
     def teardown(self, stage: str) -> None:
-        self.close_rollouts()
+        self.close_rollouts(stopping=self._trainer is not None and self._trainer.received_sigterm)
         super().teardown(stage)
 
 
@@ -246,4 +260,4 @@ class CloseRollouts(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if isinstance(pl_module, Rollouts):
-            pl_module.close_rollouts()
+            pl_module.close_rollouts(stopping=True)  # SIGTERM, Ctrl-C or an error: a hung job holds nothing

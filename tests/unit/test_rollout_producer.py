@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lit_rlhf.rollout.collect import RolloutTimings
-from lit_rlhf.rollout.producer import ProducedRollout, RolloutJob, RolloutProducer
+from lit_rlhf.rollout.producer import STOP_POLL_S, ProducedRollout, ProducerStopped, RolloutJob, RolloutProducer
 from lit_rlhf.types import PromptBatch, Rollout
 
 
@@ -136,3 +136,32 @@ def test_settle_waits_for_every_job_and_keeps_the_results():
     assert producer.known() == {5, 6, 7}
     assert int(producer.take(5).rollout.scores) == 5
     producer.close(5)
+
+
+def test_a_job_that_never_returns_holds_neither_take_nor_settle_once_the_run_stops():
+    """A hung job (a reward that never returns): `take` with a stop test raises `ProducerStopped` soon after the
+    test turns true, and `settle` with a deadline returns the rollouts finished by then, leaving the hung one out."""
+    hung = threading.Event()
+
+    def work(work_job: RolloutJob) -> ProducedRollout:
+        if work_job.index == 1:
+            hung.set()
+            threading.Event().wait()  # never returns
+        return produced(work_job)
+
+    producer = RolloutProducer(work)
+    for index in (0, 1):
+        producer.submit(job(index))
+    assert hung.wait(10)
+    stopping = threading.Event()
+    threading.Timer(0.3, stopping.set).start()
+    start = time.monotonic()
+    with pytest.raises(ProducerStopped, match="rollout 1"):
+        producer.take(1, stop=stopping.is_set)
+    assert 0.25 < time.monotonic() - start < 0.3 + 2 * STOP_POLL_S + 0.5
+    start = time.monotonic()
+    finished = producer.settle(lambda: start + 0.5)
+    assert [p.index for p in finished] == [0]  # the finished one kept, the hung one left out
+    assert 0.5 <= time.monotonic() - start < 0.5 + 2 * STOP_POLL_S + 0.5
+    producer.close(timeout_s=0.1)
+    assert producer.alive  # the daemon thread is left behind; it cannot keep the process alive
