@@ -33,8 +33,10 @@ SHARDING_STRATEGIES = ("FSDPStrategy",)
 
 
 class SavePolicy(L.Callback):
-    """Save the module's policy, tokenizer and sampling settings (as the generation config) with
-    `lit_rlhf.models.export.save_policy` at the end of `fit`, on global rank 0.
+    """A callback that exports the policy as a Hugging Face folder at the end of `fit`.
+
+    It saves the module's policy, tokenizer and sampling settings (as the generation config) with
+    `lit_rlhf.models.export.save_policy`, on global rank 0.
 
     Args:
         folder: the Hugging Face folder to write (`AutoModelForCausalLM.from_pretrained(folder)` loads it).
@@ -103,8 +105,10 @@ class SavePolicy(L.Callback):
 
 
 class WritePredictions(L.Callback):
-    """Write the rows `trainer.predict` answers ({"prompt", "response", "score"}, see
-    `RLHFModule.predict_step`) to `path`, one JSON object per line, in the order of the predict prompts.
+    """A callback that writes the answers of `trainer.predict` to a JSON-lines file.
+
+    Each row is {"prompt", "response", "score"} (see `RLHFModule.predict_step`), one JSON object per line, in the
+    order of the predict prompts.
 
     Rows are appended to `<path>.partial` as each batch ends and the file becomes `path` when the loop ends, so
     `path` only ever holds a complete set: a crash or a signal leaves the rows so far in the `.partial` file and
