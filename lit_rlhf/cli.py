@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import yaml
+from jsonargparse import set_parsing_settings
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -65,6 +66,12 @@ class CheckedCLI(LightningCLI):
     `RunFolderGuard` writes. A `SystemExit(0)` raised inside a subcommand (code that calls `sys.exit()`) becomes
     status 1 with a message naming where it was raised. Other exceptions keep Python's status 1 and traceback.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """The parser, reading the settings dataclasses' attribute docstrings (`AlgorithmConfig`'s fields are
+        documented that way) so every setting in `--help` carries its one-line description."""
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """TRL's option names in a config file or on the command line get a `ConfigError` naming ours, before

@@ -179,11 +179,11 @@ class AlgorithmConfig:
     advantage_estimator: str | None = None
     """One of `lit_rlhf.algorithms.estimators.ESTIMATORS`: 'gae' (needs the critic), a group estimator: 'grpo',
     'batch_std', 'dr_grpo', 'rloo', or REINFORCE++: 'reinforce_pp' (returns whitened over the batch) or
-    'reinforce_pp_baseline' (group mean subtracted first)."""
+    'reinforce_pp_baseline' (group mean subtracted first). PPO default 'gae', GRPO default 'grpo'."""
     kl_coef: float | None = None
     """Weight beta of the KL to the reference policy (PPO 0.05, GRPO 0.04). 0 skips the reference model."""
     kl_estimator: KLEstimator | None = None
-    """'k1', 'k2', 'k3' (from sampled tokens) or 'full' (exact, over the vocabulary)."""
+    """'k1', 'k2', 'k3' (from sampled tokens) or 'full' (exact, over the vocabulary). PPO default 'k1', GRPO 'k3'."""
     kl_in_reward: bool | None = None
     """True: -beta*KL goes into the per-token reward (PPO). False: beta*KL is added to the loss (GRPO)."""
     ppo_epochs: int = 1

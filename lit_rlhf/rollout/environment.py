@@ -71,6 +71,7 @@ class EnvironmentConfig:
     """'builtin:<name>' (builtin:peek, builtin:calculator) or the dotted path of an `Environment` class or
     factory, called with `options`."""
     options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the environment class or factory `name` names."""
     max_turns: int = 4
     """Policy turns per episode; an episode still running after them is truncated."""
     max_total_tokens: int = 64

@@ -85,6 +85,18 @@ class Rollouts(L.LightningModule):
             self.check_async_fit(trainer)
         super().setup(stage)
 
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Without a `RolloutDataModule` (whose own hook runs instead), refuse a batch that is not a `PromptBatch`
+        (a plain DataLoader of prompts) before any sampling, saying how to wrap the data."""
+        if not isinstance(batch, PromptBatch):
+            raise ConfigError(
+                f"trainer.fit: got a dataloader whose batches are {type(batch).__name__}, not PromptBatch; an "
+                "RLHFModule takes its prompts from a RolloutDataModule, which tokenises them: "
+                "trainer.fit(module, RolloutDataModule(prompts=rows, batch_size=8)), rows being a list of prompt "
+                "strings or dicts (other keys reach the reward functions), a .jsonl file or a datasets Dataset"
+            )
+        return batch
+
     def check_async_fit(self, trainer: Any) -> None:
         """What asynchronous rollouts need of the fit, before any model loads."""
         k = self.algorithm.max_staleness

@@ -151,3 +151,11 @@ def test_each_functions_own_scores_are_kept_unweighted():
     assert total.tolist() == [0.5 * 2 * n - 2 * n for n in lengths]
     assert composer.names() == ["double_1", "ours_without_state", "double_2"]
     assert one_part([torch.zeros(1, 1), torch.zeros(1, 1)]) is None  # two composer calls: ambiguous
+
+
+def test_a_lora_config_for_another_task_is_refused():
+    peft = pytest.importorskip("peft")
+    from lit_rlhf.models.lora import lora_settings
+
+    with pytest.raises(ConfigError, match="model.lora: a LoraConfig with task_type=.*SEQ_CLS.*causal LM"):
+        lora_settings(peft.LoraConfig(task_type="SEQ_CLS"))
