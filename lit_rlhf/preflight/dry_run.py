@@ -1,7 +1,8 @@
 """`--dry-run N`: load the models, run N real training steps and one held-out batch, then time the phases,
 estimate the whole run's wall-clock and compare the peak memory with the plan.
 
-The estimate is start-up (this process's age when the first step starts: imports, config, model loading) + the
+The estimate is start-up (this process's age when the check began: imports and the config; then the fit's time
+to its first step: the models loaded and set up) + the
 run's rollouts x the mean step (the first step left out when there are more, as warm-up) + every held-out batch
 (the sanity check's and each evaluation's) x the measured held-out batch; `trainer.max_time` caps it.
 """
@@ -53,12 +54,12 @@ class StepClock(Callback):
     steps: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
     held_out: list[float] = field(default_factory=list)
-    startup_s: float | None = None
-    _start: float = 0.0
+    load_s: float | None = None  # from the fit's call to its first step: models loaded, set up
+    _start: float = field(default_factory=time.perf_counter)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.startup_s is None:
-            self.startup_s = process_age_s()
+        if self.load_s is None:
+            self.load_s = time.perf_counter() - self._start
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -88,20 +89,28 @@ def _trainer(trainer: Any, clock: StepClock, **limits: Any) -> Trainer:
 
 
 def dry_run(
-    section: Section, module: Any, datamodule: Any, trainer: Any, steps: int, length: RunLength, plan: MemoryPlan | None
+    section: Section,
+    module: Any,
+    datamodule: Any,
+    trainer: Any,
+    steps: int,
+    length: RunLength,
+    plan: MemoryPlan | None,
+    started_s: float,
 ) -> None:
-    """Run `steps` rollouts (on one device of the Trainer's kind) and report times, the estimate and memory."""
-    clock = StepClock()
+    """Run `steps` rollouts (on one device of the Trainer's kind) and report times, the estimate and memory;
+    `started_s`: the seconds this process took to reach the check (imports, the config)."""
     cuda = trainer.strategy.root_device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     baseline = current_rss_bytes()
+    clock = StepClock()
     per_rollout = module.algorithm.ppo_epochs * module.algorithm.num_minibatches
     _trainer(trainer, clock, max_steps=steps * per_rollout, limit_val_batches=0).fit(module, datamodule)
     if length.val_batches:
         _trainer(trainer, clock, limit_val_batches=1).validate(module, datamodule, verbose=False)
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - baseline
-    _report_times(section, clock, length)
+    _report_times(section, clock, length, started_s)
     if plan is not None:
         where = "peak allocated on the GPU" if cuda else "peak RSS growth over the process before loading"
         section.line(
@@ -112,7 +121,7 @@ def dry_run(
             section.warn("the dry run's peak memory exceeded the memory available", plan.largest.shrink)
 
 
-def _report_times(section: Section, clock: StepClock, length: RunLength) -> None:
+def _report_times(section: Section, clock: StepClock, length: RunLength, started_s: float) -> None:
     timed = clock.steps[1:] if len(clock.steps) > 1 else clock.steps
     step_s = statistics.fmean(timed)
     phases = {k: statistics.fmean(p.get(k, 0.0) for p in clock.phases[-len(timed) :]) for k in PHASES}
@@ -125,14 +134,15 @@ def _report_times(section: Section, clock: StepClock, length: RunLength) -> None
     held_s = statistics.fmean(clock.held_out) if clock.held_out else 0.0
     if clock.held_out:
         section.line(f"held-out batch: {held_s:.2f} s")
-    startup = clock.startup_s or 0.0
+    startup = started_s + (clock.load_s or 0.0)
     if length.rollouts is None:
         section.line(f"estimate: {step_s:.2f} s per rollout; trainer.max_time ends the run")
         return
     held_batches = length.evaluations * length.val_batches + length.sanity_batches
     total = startup + length.rollouts * step_s + held_batches * held_s
     section.line(
-        f"estimate: {duration(total)} = start-up {startup:.0f} s + {length.rollouts} rollouts x {step_s:.2f} s + "
+        f"estimate: {duration(total)} = start-up {startup:.0f} s (imports and config {started_s:.0f} s, models "
+        f"{clock.load_s or 0.0:.0f} s) + {length.rollouts} rollouts x {step_s:.2f} s + "
         f"{held_batches} held-out batches x {held_s:.2f} s"
     )
     if length.max_time_s is not None and total > length.max_time_s:

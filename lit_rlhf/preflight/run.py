@@ -17,6 +17,7 @@ from lit_rlhf.models.loading import load_tokenizer
 from lit_rlhf.preflight.backends import check_backends
 from lit_rlhf.preflight.data import check_data, training_rows
 from lit_rlhf.preflight.dry_run import dry_run as run_steps
+from lit_rlhf.preflight.dry_run import process_age_s
 from lit_rlhf.preflight.memory import check_memory
 from lit_rlhf.preflight.model import check_model, model_configs
 from lit_rlhf.preflight.report import Report, Section
@@ -51,6 +52,7 @@ def check(
 ) -> Report:
     """Check an `RLHFModule`, its `RolloutDataModule` and the `Trainer` it will fit with (default: `Trainer()`)
     before the run; `dry_run` > 0 then loads the models and runs that many real steps (training the module)."""
+    started_s = process_age_s() or 0.0
     trainer = trainer or Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     report = Report(title)
     length = run_length(module, datamodule, trainer)
@@ -77,7 +79,7 @@ def check(
         if report.blocked:
             section.line("not run: the findings above block the run")
         else:
-            run_steps(section, module, datamodule, trainer, dry_run, length, plan)
+            run_steps(section, module, datamodule, trainer, dry_run, length, plan, started_s)
     return report
 
 
