@@ -398,6 +398,8 @@ def check_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-memory-gb", type=float, help="plan against this many GiB (default: free now)")
     parser.add_argument("--strict", action="store_true", help="exit status 1 on warnings too")
     args, rest = parser.parse_known_args(argv)
+    if args.dry_run < 0:
+        parser.error(f"--dry-run: the number of steps must be >= 0 (0: none), got {args.dry_run}")
     title = "lit-rlhf check " + " ".join(sys.argv[1:] if argv is None else argv)
     cli_args = [arg for path in args.config for arg in ("--config", path)] + rest
     try:

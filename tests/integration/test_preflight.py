@@ -200,6 +200,12 @@ def test_the_command_line_exits_1_naming_a_refused_setting(capsys):
     assert status == 1 and "sampling.temperature" in out and "BLOCKED" in out, out
 
 
+def test_a_negative_dry_run_is_refused(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        check_main(["--config", str(ROOT / "configs" / "grpo.yaml"), "--dry-run", "-2"])
+    assert stopped.value.code == 2 and "--dry-run: the number of steps must be >= 0" in capsys.readouterr().err
+
+
 def test_a_dry_run_times_its_steps_and_estimates_the_run():
     module = RLHFModule(policy="builtin:digits", reward_fns=[exact_answer], sampling=SamplingConfig(max_new_tokens=4))
     module.algorithm.group_size = 2
