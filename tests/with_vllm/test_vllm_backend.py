@@ -88,14 +88,19 @@ def perturb(policy, seed: int) -> None:
             parameter.add_(noise * 0.02 * parameter.std())
 
 
+def vllm_backend(policy, tokenizer, mode: str, server_url: str | None = None):
+    """A vLLM backend over `policy` (colocate, or a client of the server at `server_url`) and its sampling settings
+    (10 new tokens)."""
+    vllm = {"mode": mode, "max_model_len": 256, **({"server_url": server_url} if mode == "server" else {})}
+    sampling = SamplingConfig(max_new_tokens=10, backend="vllm", vllm=vllm)
+    return make_backend(BackendContext(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, sampling)), sampling
+
+
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 def test_weight_sync_is_exact_and_sampling_repeats_for_a_seed(model_folder, request, mode):
     policy, tokenizer = load(model_folder)
-    vllm = {"mode": mode, "max_model_len": 256}
-    if mode == "server":
-        vllm["server_url"] = request.getfixturevalue("vllm_server")
-    sampling = SamplingConfig(max_new_tokens=10, backend="vllm", vllm=vllm)
-    backend = make_backend(BackendContext(policy, tokenizer.eos_token_id, tokenizer.pad_token_id, sampling))
+    url = request.getfixturevalue("vllm_server") if mode == "server" else None
+    backend, sampling = vllm_backend(policy, tokenizer, mode, url)
     try:
         batch = prompts(tokenizer)
         gen = backend.generate(batch, 3, sampling)
@@ -215,3 +220,22 @@ def test_asynchronous_rollouts_sample_with_the_weights_of_their_job(model_folder
         gen.logprobs = exp.sampler_logprobs
         gaps.append(largest_gap(policy, gen))
     assert gaps[0] < SYNC_TOLERANCE < gaps[1], gaps
+
+
+def test_a_lora_policy_goes_as_merged_weights_to_a_server_without_lora(model_folder, vllm_server, caplog):
+    import logging
+
+    from lit_rlhf.models.lora import apply_lora
+
+    policy, tokenizer = load(model_folder)
+    policy = apply_lora(policy, {"r": 4, "alpha": 8})
+    with caplog.at_level(logging.WARNING, logger="lit_rlhf"):
+        backend, sampling = vllm_backend(policy, tokenizer, "server", vllm_server)
+    try:
+        assert not backend.adapters
+        assert "merged full weights: the server at" in caplog.text and "--lora-rank 4" in caplog.text
+        perturb(policy, seed=3)  # the adapters and the base: only merged weights carry both
+        backend.sync_weights(policy)
+        assert largest_gap(policy, backend.generate(prompts(tokenizer), 3, sampling)) < SYNC_TOLERANCE
+    finally:
+        backend.close()

@@ -2,12 +2,18 @@
 (`python -m vllm.entrypoints.openai.api_server --model <folder> ...` with `VLLM_SERVER_DEV_MODE=1`, docs/vllm.md).
 
 Sampling is one `/v1/completions` request per batch: token ids in (`prompt` as lists of ids), token ids and the
-sampled tokens' log-probs out. Weights travel through a folder the server can read: after every optimizer step
-the policy's weights are written there as a Hugging Face checkpoint (`model.safetensors` + `config.json`) and
-the server is told to load it (`/collective_rpc` `reload_weights`, then `/reset_prefix_cache`); no NCCL is
-needed, so this works on CPUs and across machines with a shared folder. Under DDP every rank keeps a client, and
-only global rank 0 writes and pushes: the other ranks wait until the server reports that rank 0's push of the
-same policy version has finished (a marker file), so no rank samples stale weights and nothing is pushed twice.
+sampled tokens' log-probs out. After every optimizer step global rank 0 pushes the policy through a folder the
+server can read (`weights_dir`; None: a temporary folder in shared memory, for a server on this machine), so no
+NCCL is needed and this works on CPUs and across machines with a shared folder:
+- a LoRA policy, to a server started with LoRA (`scripts/vllm_server.py --lora-rank r`): the adapters alone, as
+  the folder `v<n>` loaded under the name `policy-v<n>` (`/v1/load_lora_adapter`), which every request of that
+  version names; the base weights are the server's own model. A server without LoRA, or adapters vLLM cannot
+  serve, get merged full weights instead, with the reason logged.
+- full weights: safetensors shards of at most `vllm_weights.SHARD_BYTES` taken from the policy's tensors, loaded
+  with `/collective_rpc` `reload_weights`, then `/reset_prefix_cache`.
+Under DDP every rank keeps a client, and only global rank 0 pushes: the other ranks wait until the server reports
+that rank 0's push of the same policy version has finished (a marker file naming the version and the model to
+request), so no rank samples stale weights and nothing is pushed twice.
 
 At construction the server is checked: it answers `/health`, serves a model whose folder (when it is a local
 folder) has the policy's architecture and vocabulary, and after the first push its log-probs of a probe sequence
@@ -17,8 +23,9 @@ match the trainer's.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import tempfile
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -39,8 +46,17 @@ from lit_rlhf.rollout.backends.vllm_common import (
     response_grid,
     sampling_params,
 )
+from lit_rlhf.rollout.backends.vllm_weights import (
+    AdapterVersions,
+    lora_rank,
+    serves_adapters,
+    shared_memory_folder,
+    write_weight_shards,
+)
 from lit_rlhf.rollout.generation import EosIds, Generation, finish_generation
 from lit_rlhf.types import PromptBatch
+
+log = logging.getLogger(__name__)
 
 PROBE_TOLERANCE = 0.05
 """Largest mean |log-prob difference| (nats) between the trainer and the server on a probe sequence, after the first
@@ -63,18 +79,22 @@ class VLLMServerBackend:
         self.generator = generator  # the request seeds' source (None: the global RNG)
         self.device = next(policy.parameters()).device
         self.url = settings.server_url.rstrip("/")
-        self._temporary = None if settings.weights_dir else tempfile.TemporaryDirectory(prefix="lit_rlhf-vllm-")
+        self._temporary = None if settings.weights_dir else shared_memory_folder("lit_rlhf-vllm-")
         self.weights_dir = settings.weights_dir or self._temporary.name  # type: ignore[union-attr]
         self.pushes = 0  # policy versions synced by this client (the same count on every rank)
+        self.versions = AdapterVersions(self.weights_dir)
+        self.last_sync = (0.0, 0)  # (seconds, bytes) of rank 0's last push
         self.model = self._check_server(plain_model(policy))
+        self.adapters = self._choose_adapters(policy)
+        self.served = self.model  # what requests name: the served model, or the current adapter version
         self.sync_weights(policy)
         self._check_probe(policy)
 
     # ------------------------------------------------------------------ HTTP
 
     def _request(self, call: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """GET (no body) or POST JSON to the server; a `VLLMError` naming `call` on a refusal, an error answer or a
-        timeout."""
+        """GET (no body) or POST JSON to the server: its answer's JSON (text where it is not JSON); a `VLLMError`
+        naming `call` on a refusal, an error answer or a timeout."""
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"})
         try:
@@ -89,7 +109,12 @@ class VLLMServerBackend:
                 f"within sampling.vllm.timeout_s={self.settings.timeout_s:g} s (server mode): {err}; start the "
                 "server (docs/vllm.md), or fix the address"
             ) from err
-        return json.loads(raw) if raw.strip() else None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # /v1/load_lora_adapter answers plain text
+            return raw.decode(errors="replace")
 
     def _check_server(self, plain: nn.Module) -> str:
         """The id of the model the server serves, once it answers and its architecture and vocabulary (when its
@@ -116,7 +141,7 @@ class VLLMServerBackend:
     def generate(self, prompts: PromptBatch, group_size: int, sampling: SamplingConfig) -> Generation:
         self._wait_for_push()
         body = {
-            "model": self.model,
+            "model": self.served,
             "prompt": prompt_rows(prompts.input_ids, prompts.attention_mask),
             **sampling_params(sampling, group_size, request_seed(self.generator), self.eos_token_id),
             "return_token_ids": True,
@@ -130,28 +155,67 @@ class VLLMServerBackend:
 
     @torch.no_grad()
     def sync_weights(self, policy: nn.Module) -> None:
-        """Rank 0 writes the weights and has the server load them; every rank counts the version."""
+        """Rank 0 pushes the adapters or the full weights and has the server load them; every rank counts the
+        version."""
         self.pushes += 1
         if self.rank != 0:
             return
-        from safetensors.torch import save_file
+        start = time.perf_counter()
+        sent = self._push_adapter(policy) if self.adapters else self._push_full_weights(policy)
+        with open(self._marker(), "w") as file:  # tells the other ranks this version is loaded, and its name
+            json.dump({"version": self.pushes, "model": self.served}, file)
+        self.last_sync = (time.perf_counter() - start, sent)
 
+    def _serves_lora(self) -> bool:
+        """Whether the server loads LoRA adapters at run time (its `/v1/unload_lora_adapter` route exists: an
+        unknown name is vLLM's error, not FastAPI's bare 404)."""
+        try:
+            self._request("the LoRA check", "/v1/unload_lora_adapter", {"lora_name": "lit_rlhf-no-such-adapter"})
+        except VLLMError as err:
+            return '"detail":"Not Found"' not in str(err).replace(" ", "")
+        return True
+
+    def _choose_adapters(self, policy: nn.Module) -> bool:
+        """Push adapters (the policy's LoRA, which vLLM serves, to a server that loads adapters) or full weights
+        (logged with the reason for a LoRA policy); full weights to a server started with LoRA are refused: vLLM
+        0.32 reloads them wrongly into its LoRA layers."""
+        adapters, reason = serves_adapters(policy, self.settings.lora_adapters)
+        lora_server = self._serves_lora()
+        if adapters and not lora_server:
+            adapters = False
+            reason = f"the server at {self.url} loads no LoRA adapters (start it with --lora-rank {lora_rank(policy)})"
+        if reason is not None:
+            log.warning("sampling.vllm: the LoRA policy is pushed as merged full weights: %s", reason)
+        if lora_server and not adapters:
+            raise ConfigError(
+                f"sampling.vllm.server_url: the server at {self.url} was started with LoRA (--lora-rank), but this "
+                f"policy's weights go as full weights ({reason or 'the policy has no LoRA adapters'}), which vLLM "
+                "does not reload correctly into a LoRA server; start it without --lora-rank"
+            )
+        return adapters
+
+    def _push_adapter(self, policy: nn.Module) -> int:
+        """The next adapter version, loaded under its own name; the previous one is unloaded."""
+        name, _, folder, sent = self.versions.write(policy)
+        body = {"lora_name": name, "lora_path": folder}
+        self._request("sync_weights (load_lora_adapter)", "/v1/load_lora_adapter", body)
+        if self.served != self.model:
+            self._request("sync_weights (unload_lora_adapter)", "/v1/unload_lora_adapter", {"lora_name": self.served})
+        self.served = name
+        self.versions.drop_older()
+        return sent
+
+    def _push_full_weights(self, policy: nn.Module) -> int:
+        """The policy's weights as shards in `v<n>`, loaded in place by the server (the prefix cache cleared)."""
         folder = os.path.join(self.weights_dir, f"v{self.pushes}")
-        os.makedirs(folder, exist_ok=True)
-        tensors, seen = {}, set()
-        for name, tensor in policy_weights(policy).items():  # tied tensors share storage: each name its own copy
-            cpu = tensor.detach().to("cpu").contiguous()
-            tensors[name] = cpu.clone() if cpu.data_ptr() in seen else cpu
-            seen.add(cpu.data_ptr())
-        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        sent = write_weight_shards(policy_weights(policy).items(), folder)
         plain_model(policy).config.to_json_file(os.path.join(folder, "config.json"))
         body = {"method": "reload_weights", "kwargs": {"weights_path": folder}}
         self._request("sync_weights (reload_weights)", "/collective_rpc", body)
         self._request("sync_weights (reset_prefix_cache)", "/reset_prefix_cache", {})
-        with open(self._marker(), "w") as file:  # tells the other ranks this version is loaded
-            file.write(str(self.pushes))
-        for old in range(1, self.pushes):  # keep only the current version on disk
-            _remove_folder(os.path.join(self.weights_dir, f"v{old}"))
+        for old in range(1, self.pushes):  # keep only the current version
+            shutil.rmtree(os.path.join(self.weights_dir, f"v{old}"), ignore_errors=True)
+        return sent
 
     def _marker(self) -> str:
         return os.path.join(self.weights_dir, "pushed_version")
@@ -164,9 +228,11 @@ class VLLMServerBackend:
         while time.monotonic() < deadline:
             try:
                 with open(self._marker()) as file:
-                    if int(file.read() or 0) >= self.pushes:
-                        return
-            except (OSError, ValueError):
+                    pushed = json.load(file)
+                if pushed["version"] >= self.pushes:
+                    self.served = pushed["model"]
+                    return
+            except (OSError, ValueError, KeyError):
                 pass
             time.sleep(0.05)
         raise VLLMError(
@@ -182,7 +248,7 @@ class VLLMServerBackend:
             return
         vocab = plain_model(policy).config.vocab_size
         probe = [(7 * i + 3) % vocab for i in range(12)]
-        body = {"model": self.model, "prompt": probe, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        body = {"model": self.served, "prompt": probe, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
         answer = self._request("the probe after the first push", "/v1/completions", body)["choices"][0]
         served = torch.tensor([answer["prompt_logprobs"][i][str(probe[i])]["logprob"] for i in range(1, len(probe))])
         ids = torch.tensor([probe], device=self.device)
@@ -200,10 +266,3 @@ class VLLMServerBackend:
     def close(self) -> None:
         if self._temporary is not None:
             self._temporary.cleanup()
-
-
-def _remove_folder(folder: str) -> None:
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            os.remove(os.path.join(folder, name))
-        os.rmdir(folder)
