@@ -237,9 +237,11 @@ def check_scores(
             raise RewardError(f"reward function {name} returned a {type(raw).__name__} of {len(raw)}; {expected}")
         for i, x in enumerate(raw):
             if not _real(x):
+                skip = " (TRL's None, 'this function does not apply', is not taken: return a neutral score)"
                 raise RewardError(
                     f"reward function {name} returned a {type(raw).__name__} whose element {offset + i} is {x!r} "
                     f"({type(x).__name__}) for prompt {prompts[i]!r}, response {responses[i]!r}; {CONTRACT}"
+                    + (skip if x is None else "")
                 )
         values = torch.tensor([float(x) for x in raw], dtype=torch.float64)
     else:

@@ -74,18 +74,15 @@ class RLHFModule(
         reference: frozen reference policy (name or instance); defaults to a frozen copy of `policy`.
         reward_model: sequence-classification reward model (name, folder or instance), or None.
         reward_tokenizer: the reward model's tokenizer when it differs from the policy's; None: shared ids.
-        reward_fns: reward functions (dotted paths or callables; one alone or a list) `fn(prompts, responses,
-            **meta)` or TRL's `fn(completions, **kwargs)` (lit_rlhf.rewards.binding); None: none (a reward model
-            or an environment scores).
+        reward_fns: one reward function or a list (dotted paths or callables; lit_rlhf.rewards.binding); None: none.
         reward_weights: one weight per reward function (default 1 each).
         reward_model_weight: the weight of the reward model's score.
         nan_score: replace NaN scores from reward functions by this value (default: NaN is an error).
         reward_timeout_s: seconds a reward call may run (None: no limit).
         reward_workers: threads that run the reward calls (0: none, the calls run in turn).
         reward_isolation: 'thread' or 'process' (worker processes killed at the limit: a hard bound; docs/settings.md).
-        algorithm: the PPO/GRPO settings; None: AlgorithmConfig(), GRPO with its defaults (see
-            --model.algorithm.help AlgorithmConfig).
-        sampling: the generation settings; None: SamplingConfig() (see --model.sampling.help SamplingConfig).
+        algorithm: the PPO/GRPO settings; None: AlgorithmConfig(), GRPO's defaults (--model.algorithm.help).
+        sampling: the generation settings; None: SamplingConfig() (--model.sampling.help).
         lr: AdamW's learning rate over the trainable parameters.
         weight_decay: AdamW's weight decay.
         betas: AdamW's betas.
@@ -98,8 +95,7 @@ class RLHFModule(
         max_consecutive_skips: stop after this many optimizer steps in a row skipped for non-finite values.
         lora: LoRA adapters on the policy (needs `peft`), e.g. {r: 8, alpha: 16} or a peft LoraConfig; the
             reference is then the same weights with the adapters disabled. None: full fine-tuning.
-        metric_fns: held-out metrics that never train (reward-function contract; one alone or a list), logged as
-            `val/<name>`; None: the held-out reward alone.
+        metric_fns: held-out metrics (one or a list; reward-function contract) logged as `val/<name>`; None: none.
         val_sampling: how held-out prompts are answered; None: greedy, with `sampling`'s max_new_tokens and backend.
         val_samples_per_prompt: answers per held-out prompt (default: one).
         environment: multi-turn rollouts against this environment (docs/multi-turn.md); None: single-turn.

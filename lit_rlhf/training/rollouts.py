@@ -33,6 +33,7 @@ from lit_rlhf.rollout.multi_turn import Conversations, MultiTurnCollector
 from lit_rlhf.rollout.producer import ProducerStopped
 from lit_rlhf.rollout.scoring import PendingRollout, start_rollout
 from lit_rlhf.training.async_rollouts import AsyncRollouts, AsyncSettings
+from lit_rlhf.training.callback_checks import check_callbacks
 from lit_rlhf.training.sharding import is_fsdp2, unsharded_for_rollout
 from lit_rlhf.training.state import TrainingState
 from lit_rlhf.types import PromptBatch, Rollout
@@ -247,6 +248,10 @@ class Rollouts(L.LightningModule):
         return self.prompt_supply
 
     def configure_callbacks(self) -> Any:
+        """The rollouts' own callback; the Trainer's are checked first (`callback_checks`: a refused one fails here,
+        before any model loads)."""
+        if self._trainer is not None:
+            check_callbacks(self._trainer.callbacks)
         inherited = super().configure_callbacks()
         assert isinstance(inherited, list)  # LightningModule's own: []
         return [*inherited, CloseRollouts()]
