@@ -12,6 +12,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+from collections.abc import Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning as L
@@ -61,7 +62,7 @@ def trainer(root, **kw):
     return L.Trainer(**base)
 
 
-CASES = {}
+CASES: dict[str, Callable[[str], None]] = {}
 
 
 def case(f):

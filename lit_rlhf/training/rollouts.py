@@ -250,8 +250,9 @@ class Rollouts(L.LightningModule):
     def configure_callbacks(self) -> Any:
         """The rollouts' own callback; the Trainer's are checked first (`callback_checks`: a refused one fails here,
         before any model loads)."""
-        if self._trainer is not None:
-            check_callbacks(self._trainer.callbacks)
+        trainer: Any = self._trainer  # its `callbacks` list is set at run time
+        if trainer is not None:
+            check_callbacks(trainer.callbacks)
         inherited = super().configure_callbacks()
         assert isinstance(inherited, list)  # LightningModule's own: []
         return [*inherited, CloseRollouts()]
