@@ -3,7 +3,11 @@ validation, test and predict loops their held-out prompts.
 
 The module generates each rollout inside `training_step`, from the policy as it is after the previous update,
 so Lightning may prefetch prompt batches freely. For an exact resume the saved position is that of the last
-batch that reached `training_step` (`on_before_batch_transfer`), not of the last one prefetched.
+batch that reached `training_step` (`on_before_batch_transfer`), not of the last one prefetched; a checkpoint
+written while that step still runs (an exception inside it) saves the position before its batch, so a resume
+trains it again (`training_step_running`; `lit_rlhf.training.step_boundary` does the same for the counters).
+
+`Trainer(overfit_batches=n)` pins the training batches: every epoch yields the first epoch's first batches again.
 
 Epochs: one `iter()` over the training iterable is one epoch. Over a finite prompt set an epoch is one pass
 (this rank's share, reshuffled each pass; a tail smaller than `batch_size` is dropped); over a `builtin:<task>`
@@ -67,6 +71,7 @@ class PromptBatches:
     rewound it to) and runs to the end of the epoch that position lies in, so after a resume mid-epoch it yields
     exactly that epoch's remaining batches. `epoch_floor` (the Trainer's current epoch) moves the start to that
     epoch's first batch when the stream is behind it, e.g. after `limit_train_batches` cut an epoch short.
+    `pinned`: every `iter()` starts at the first batch instead (the Trainer cuts the epoch to its overfit batches).
     """
 
     def __init__(
@@ -76,8 +81,10 @@ class PromptBatches:
         to_batch: Callable[[list[dict[str, Any]]], PromptBatch],
         rollouts_per_epoch: int | None = None,
         epoch_floor: Callable[[], int | None] | None = None,
+        pinned: bool = False,
     ):
         self.prompts = prompts
+        self.pinned = pinned  # every epoch starts at batch 0 (`Trainer(overfit_batches=...)`)
         self.batch_size = batch_size
         self.to_batch = to_batch
         self.epoch_floor = epoch_floor
@@ -120,8 +127,8 @@ class PromptBatches:
         return number * self.batches_per_pass + min(-(-offset // self.batch_size), self.batches_per_pass)
 
     def __iter__(self) -> Iterator[PromptBatch]:
-        index = self.batch_index(self.prompts.rows_consumed)
-        floor = self.epoch_floor() if self.epoch_floor is not None else None
+        index = 0 if self.pinned else self.batch_index(self.prompts.rows_consumed)
+        floor = self.epoch_floor() if self.epoch_floor is not None and not self.pinned else None
         if floor is not None:
             index = max(index, floor * self.batches_per_epoch)
         end = (index // self.batches_per_epoch + 1) * self.batches_per_epoch
@@ -262,6 +269,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.prompt_tokenizer: PromptTokenizer | None = None
         self.rank, self.world_size = 0, 1
         self.rows_trained = 0  # rows of this rank that reached training_step
+        self.rows_before_batch = 0  # rows_trained before the last batch that reached training_step
         self._pending_state: dict[str, int] | None = None
 
     # ------------------------------------------------------------------------------------------- sources
@@ -417,8 +425,9 @@ class RolloutDataModule(L.LightningDataModule):
         if self.stream is None or self.prompt_tokenizer is None:
             raise self._tokenizer_missing("train_dataloader")
         self.stream.load_state_dict({"rows_consumed": self.rows_trained})  # drop what was prefetched and unused
+        pinned = getattr(self.trainer, "overfit_batches", 0) > 0  # Trainer(overfit_batches=n): the same n batches
         return PromptBatches(
-            self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch, self._current_epoch
+            self.stream, self.batch_size, self.prompt_tokenizer, self.rollouts_per_epoch, self._current_epoch, pinned
         )
 
     def batches_after(self, position: int, count: int) -> list[PromptBatch]:
@@ -457,17 +466,27 @@ class RolloutDataModule(L.LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if isinstance(batch, PromptBatch) and self.trainer is not None and self.trainer.training:
-            self.rows_trained = batch.position
+            self.rows_before_batch, self.rows_trained = self.rows_trained, batch.position
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prompt_stream": {"rows_consumed": self.rows_trained}}
+        running = training_step_running(self.trainer)  # its batch is trained again after a resume
+        return {"prompt_stream": {"rows_consumed": self.rows_before_batch if running else self.rows_trained}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("prompt_stream", {"rows_consumed": 0})
         if self.stream is None:
             self._pending_state = state
             return
-        self.rows_trained = int(state["rows_consumed"])
+        self.rows_trained = self.rows_before_batch = int(state["rows_consumed"])
         self.stream.load_state_dict(state)
         self._pending_state = None
+
+
+def training_step_running(trainer: Any) -> bool:
+    """Whether a fit's `training_step` has begun (its batch handed over) and not returned: a checkpoint written
+    now, from an exception inside it, belongs before that batch."""
+    loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    if loop is None or not getattr(trainer, "training", False):
+        return False
+    return loop.current.ready > loop.current.processed

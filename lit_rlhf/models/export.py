@@ -46,6 +46,7 @@ from lit_rlhf.config import ConfigError, SamplingConfig
 from lit_rlhf.models.actor_critic import ActorCritic
 from lit_rlhf.models.full_weights import gathered_copy, is_sharded
 from lit_rlhf.models.lora import has_adapters
+from lit_rlhf.models.stop_ids import stop_token_ids
 
 TMP_MARKER = ".tmp-"
 OLD_MARKER = ".old-"
@@ -102,8 +103,9 @@ def generation_settings(sampling: SamplingConfig) -> dict[str, Any]:
 
 
 def generation_config(policy: nn.Module, tokenizer: Any, generation: dict[str, Any] | SamplingConfig | None):
-    """The policy's own generation config (or a new one) updated with `generation` and the tokenizer's EOS and
-    pad ids; unknown or inconsistent settings raise a `ConfigError` naming them."""
+    """The policy's own generation config (or a new one) updated with `generation`, the tokenizer's pad id and the
+    ids training stopped at (`stop_token_ids`: one id, or the list of them); unknown or inconsistent settings raise
+    a `ConfigError` naming them."""
     from transformers import GenerationConfig
 
     if isinstance(generation, SamplingConfig):
@@ -116,9 +118,11 @@ def generation_config(policy: nn.Module, tokenizer: Any, generation: dict[str, A
     if unknown:
         raise ConfigError(f"generation: unknown GenerationConfig setting(s) {', '.join(map(repr, unknown))}")
     if tokenizer is not None:
-        for key in ("eos_token_id", "pad_token_id"):
-            if getattr(tokenizer, key, None) is not None:
-                settings[key] = getattr(tokenizer, key)
+        stops = stop_token_ids(tokenizer, own)
+        if stops:
+            settings["eos_token_id"] = stops[0] if len(stops) == 1 else list(stops)
+        if tokenizer.pad_token_id is not None:
+            settings["pad_token_id"] = tokenizer.pad_token_id
     config.update(**settings)
     config._from_model_config = False  # otherwise generate() may re-derive it from the model's config
     try:

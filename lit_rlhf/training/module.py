@@ -47,6 +47,7 @@ from lit_rlhf.training.context_window import ContextWindowCheck
 from lit_rlhf.training.evaluation import HeldOutEvaluation
 from lit_rlhf.training.forwards import ModelForwards
 from lit_rlhf.training.host_memory import return_freed_memory_on_cpu
+from lit_rlhf.training.lightning_checks import LightningToolChecks
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
 from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
@@ -57,6 +58,7 @@ from lit_rlhf.training.sharding import (
     shard_module_models,
 )
 from lit_rlhf.training.state import ExactResume, TrainingState
+from lit_rlhf.training.step_boundary import StepBoundary
 from lit_rlhf.training.step_logging import StepLogging
 from lit_rlhf.training.trainer_state import reward_trainer_state
 from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
@@ -64,7 +66,15 @@ from lit_rlhf.types import Experience, PromptBatch, Rollout, iterate_minibatches
 
 @refuses_trl_names("model")
 class RLHFModule(
-    ExactResume, ManualOptimization, StepLogging, HeldOutEvaluation, PolicyExport, ContextWindowCheck, ModelForwards
+    LightningToolChecks,
+    StepBoundary,
+    ExactResume,
+    ManualOptimization,
+    StepLogging,
+    HeldOutEvaluation,
+    PolicyExport,
+    ContextWindowCheck,
+    ModelForwards,
 ):
     """PPO, GRPO and their variants for causal language models (every setting: docs/settings.md).
 

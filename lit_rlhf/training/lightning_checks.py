@@ -1,0 +1,74 @@
+"""Lightning's own tools, checked against what one RLHF step is, before anything expensive runs.
+
+- `trainer.fit(torch.compile(module))` is refused in `setup`: Lightning would compile the whole training step.
+- `Tuner(trainer).lr_find(...)` (the `LearningRateFinder` callback) is refused in `setup`: it reads a loss the
+  RL step does not return, and its curve would say nothing about a good rate here.
+- A checkpoint callback counting optimizer steps (`ModelCheckpoint(every_n_train_steps=k)`) is checked at fit start
+  against the optimizer steps of one rollout (`ppo_epochs x num_minibatches`): checkpoints are only considered
+  between rollouts, so a k that is not a multiple saves less often than asked; a warning names the multiple.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
+
+from lit_rlhf.config import AlgorithmConfig, ConfigError
+
+COMPILED_MODULE = (
+    "trainer.fit(torch.compile(module)): Lightning then compiles the whole training step (the sampling loop, the "
+    "reward calls, Python control flow over each rollout), which Dynamo recompiles for every new shape and cannot "
+    "capture (minutes, then an internal error). Fit the module itself, trainer.fit(module), and set "
+    "sampling.backend: compiled, which compiles the decode loop over static, bucketed shapes"
+)
+LR_FINDER = (
+    "Tuner.lr_find / LearningRateFinder: the finder raises the learning rate step by step and reads the loss each "
+    "training_step returns; an RLHF step returns none (manual optimisation), and its PPO loss is re-based on every "
+    "rollout, so the curve would not point at a good rate. Compare a few short runs at different model.lr instead "
+    "(watch rollout/reward_mean and the KL); remove the LearningRateFinder callback or the lr_find call"
+)
+
+
+class LightningToolChecks(L.LightningModule):
+    """For a module with `algorithm`: refuses a compiled module and the LR finder in `setup`, warns at fit start
+    about step-counting checkpoint callbacks that cannot fire as often as asked."""
+
+    algorithm: AlgorithmConfig
+
+    def setup(self, stage: str) -> None:
+        if getattr(self, "_compiler_ctx", None) is not None:  # set by Lightning for a torch.compile'd module
+            raise ConfigError(COMPILED_MODULE)
+        trainer: Any = self.trainer
+        if stage == "fit" and any(isinstance(c, LearningRateFinder) for c in trainer.callbacks):
+            raise ConfigError(LR_FINDER)
+        super().setup(stage)
+
+    def on_fit_start(self) -> None:
+        for message in checkpoint_cadence_warnings(self.trainer.checkpoint_callbacks, self.algorithm):
+            warnings.warn(message, stacklevel=2)
+        super().on_fit_start()
+
+
+def checkpoint_cadence_warnings(callbacks: list[Any], algo: AlgorithmConfig) -> list[str]:
+    """One warning per `ModelCheckpoint` whose `every_n_train_steps` is not a multiple of the optimizer steps per
+    rollout: it is checked once per rollout, so it saves every lcm(k, per rollout) optimizer steps."""
+    per_rollout = algo.ppo_epochs * algo.num_minibatches
+    messages = []
+    for callback in callbacks:
+        every = getattr(callback, "_every_n_train_steps", 0) if isinstance(callback, ModelCheckpoint) else 0
+        if not every or every % per_rollout == 0:
+            continue
+        saves_every = math.lcm(every, per_rollout)
+        multiple = every + per_rollout - every % per_rollout  # the next multiple up
+        messages.append(
+            f"ModelCheckpoint(every_n_train_steps={every}) counts optimizer steps, and each rollout takes "
+            f"{per_rollout} (ppo_epochs {algo.ppo_epochs} x num_minibatches {algo.num_minibatches}); checkpoints are "
+            f"only considered between rollouts, so it saves every {saves_every} optimizer steps "
+            f"({saves_every // per_rollout} rollouts), not every {every}. Use a multiple of {per_rollout}, e.g. "
+            f"every_n_train_steps={multiple} (= {multiple // per_rollout} rollouts)"
+        )
+    return messages
