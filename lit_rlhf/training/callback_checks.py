@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import BackboneFinetuning, GradientAccumulationScheduler, LearningRateFinder
 
 from lit_rlhf.config import ConfigError
 
@@ -18,6 +18,12 @@ REFUSED: dict[type, str] = {
     GradientAccumulationScheduler: (
         "schedules accumulate_grad_batches, which the manual update loop does not use; set "
         "model.algorithm.micro_batch_size (gradients accumulate over a minibatch) or raise data.batch_size"
+    ),
+    LearningRateFinder: (
+        "(what Tuner(trainer).lr_find adds) raises the learning rate step by step and reads the loss each "
+        "training_step returns; an RLHF step returns none (manual optimisation), and its PPO loss is re-based on "
+        "every rollout, so the curve would not point at a good rate. Compare a few short runs at different "
+        "model.lr instead (watch rollout/reward_mean and the KL); remove the lr_find call or the callback"
     ),
 }
 """Callback classes (and their subclasses) that are refused, with why and what to use."""

@@ -1,8 +1,8 @@
 """Lightning's own tools, checked against what one RLHF step is, before anything expensive runs.
 
 - `trainer.fit(torch.compile(module))` is refused in `setup`: Lightning would compile the whole training step.
-- `Tuner(trainer).lr_find(...)` (the `LearningRateFinder` callback) is refused in `setup`: it reads a loss the
-  RL step does not return, and its curve would say nothing about a good rate here.
+- `Tuner(trainer).lr_find(...)` (the `LearningRateFinder` callback) is refused with the other callbacks that
+  cannot act on an RL step (`callback_checks`).
 - A checkpoint callback counting optimizer steps (`ModelCheckpoint(every_n_train_steps=k)`) is checked at fit start
   against the optimizer steps of one rollout (`ppo_epochs x num_minibatches`): checkpoints are only considered
   between rollouts, so a k that is not a multiple saves less often than asked; a warning names the multiple.
@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateFinder, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_rlhf.config import AlgorithmConfig, ConfigError
 
@@ -25,26 +25,17 @@ COMPILED_MODULE = (
     "capture (minutes, then an internal error). Fit the module itself, trainer.fit(module), and set "
     "sampling.backend: compiled, which compiles the decode loop over static, bucketed shapes"
 )
-LR_FINDER = (
-    "Tuner.lr_find / LearningRateFinder: the finder raises the learning rate step by step and reads the loss each "
-    "training_step returns; an RLHF step returns none (manual optimisation), and its PPO loss is re-based on every "
-    "rollout, so the curve would not point at a good rate. Compare a few short runs at different model.lr instead "
-    "(watch rollout/reward_mean and the KL); remove the LearningRateFinder callback or the lr_find call"
-)
 
 
 class LightningToolChecks(L.LightningModule):
-    """For a module with `algorithm`: refuses a compiled module and the LR finder in `setup`, warns at fit start
-    about step-counting checkpoint callbacks that cannot fire as often as asked."""
+    """For a module with `algorithm`: refuses a compiled module in `setup`, warns at fit start about
+    step-counting checkpoint callbacks that cannot fire as often as asked."""
 
     algorithm: AlgorithmConfig
 
     def setup(self, stage: str) -> None:
         if getattr(self, "_compiler_ctx", None) is not None:  # set by Lightning for a torch.compile'd module
             raise ConfigError(COMPILED_MODULE)
-        trainer: Any = self.trainer
-        if stage == "fit" and any(isinstance(c, LearningRateFinder) for c in trainer.callbacks):
-            raise ConfigError(LR_FINDER)
         super().setup(stage)
 
     def on_fit_start(self) -> None:
