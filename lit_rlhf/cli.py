@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import math
 import os
 import signal
 import sys
 import tempfile
 import traceback
+import typing
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +31,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_foreign_names
+from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_foreign_names, yaml_boolean_hint
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.models.export import check_target, save_module_policy
 from lit_rlhf.preflight.run import check, refused_settings
@@ -145,9 +147,42 @@ NESTED_SETTINGS = {"algorithm": AlgorithmConfig, "sampling": SamplingConfig, "va
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping (plain YAML keeps the last silently, and a
+    second `model:` block would replace the first whole)."""
+
+    source = "config"
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(
+                    f"{self.source}: the key {key!r} is given twice in one mapping, on lines {seen[key]} and {line}; "
+                    "YAML would keep the last silently. Merge them into one"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def load_config_text(text: str, source: str) -> Any:
+    """A YAML config, with keys given twice refused (`UniqueKeyLoader`); `source` names it in the error."""
+    loader = UniqueKeyLoader(text)
+    loader.source = source
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def raw_configs(args: Any) -> list[Any]:
     """The configs a command line names before LightningCLI parses it: each `--config` file (or YAML string) and
-    one nested dict of the dotted `--section.key value` arguments; a dict of arguments as it is."""
+    one nested dict of the dotted `--section.key value` arguments; a dict of arguments as it is. A key given twice
+    in one mapping of a config is a `ConfigError` naming it and both lines."""
     if isinstance(args, dict):
         return [args]
     configs: list[Any] = []
@@ -159,7 +194,7 @@ def raw_configs(args: Any) -> list[Any]:
         if key in ("--config", "-c"):
             with contextlib.suppress(OSError, yaml.YAMLError):
                 text = Path(value).read_text() if os.path.isfile(value) else value
-                configs.append(yaml.safe_load(text))
+                configs.append(load_config_text(text, value if os.path.isfile(value) else "--config"))
         elif key.startswith("--") and "." in key:
             node = dotted
             *parents, last = key[2:].split(".")
@@ -185,12 +220,30 @@ def check_raw_config(config: Any, sections: dict[str, Any]) -> None:
         if not isinstance(section, dict) or cls is None:
             continue
         check_foreign_names(name, section, inspect.signature(cls.__init__).parameters)
+        check_yaml_booleans(name, section, cls.__init__)
         if name != "model":
             continue
         for key, settings in NESTED_SETTINGS.items():
             nested = _init_args(section.get(key))
             if key in inspect.signature(cls.__init__).parameters and isinstance(nested, dict):
                 check_foreign_names(f"model.{key}", nested, inspect.signature(settings).parameters)
+                check_yaml_booleans(f"model.{key}", nested, settings)
+
+
+def check_yaml_booleans(name: str, section: dict[str, Any], function: Any) -> None:
+    """A `ConfigError` with the hint to quote it for a boolean given to a setting whose values are words YAML
+    reads as booleans unquoted (`memory_check: off` is False), before the parser's own type error."""
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # an annotation that does not resolve here: the parser reports what it must
+        return
+    for key, value in section.items():
+        choices = typing.get_args(hints.get(key)) if typing.get_origin(hints.get(key)) is typing.Literal else ()
+        hint = yaml_boolean_hint(value, choices)
+        if hint:
+            raise ConfigError(
+                f"{name}.{key}: got the boolean {value!r}, one of {', '.join(map(repr, choices))} is expected{hint}"
+            )
 
 
 def resolve_checkpoint(ckpt_path: str, callbacks: list[Any]) -> str | None:
@@ -372,11 +425,13 @@ def plan_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", action="append", required=True, help="a config as for lit-rlhf fit")
     parser.add_argument("--device-memory-gb", type=float, help="plan against this many GiB (default: free now)")
     args, rest = parser.parse_known_args(argv)
+    gb = args.device_memory_gb
+    if gb is not None and not (math.isfinite(gb) and gb > 0):
+        parser.error(f"--device-memory-gb: must be a positive, finite number of GiB, got {gb!r} (e.g. 80 for an H100)")
     cli_args = [arg for path in args.config for arg in ("--config", path)] + rest
     with quiet_known_notices():
         cli = CheckedCLI(RLHFModule, RolloutDataModule, run=False, args=cli_args, save_config_callback=None)
     settings = plan_settings(cli.model, cli.datamodule, cli.trainer)
-    gb = args.device_memory_gb
     plan = plan_memory(settings, int(gb * GiB) if gb else available_bytes(settings.device, settings.processes_per_host))
     print(plan.table())
     refusal = plan.refusal()

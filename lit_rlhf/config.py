@@ -181,8 +181,8 @@ def check_memory_check(value: Any) -> None:
 
 
 def check_backend_installed(sampling: Any) -> None:
-    """`sampling.backend: vllm` with an engine in this process needs the vllm package: refused before any model
-    loads when it is not installed (a server's client needs nothing)."""
+    """`sampling.backend: vllm` with an engine in this process needs the vllm package: refused at the start of a
+    fit, before any model loads, when it is not installed (a server's client needs nothing; a memory plan neither)."""
     vllm = getattr(sampling, "vllm", None)
     if sampling.backend != "vllm" or getattr(vllm, "mode", "colocate") != "colocate":
         return
@@ -633,7 +633,6 @@ def check_module_settings(arguments: Mapping[str, Any], sampling: SamplingConfig
     check_bool(a["overlap_scoring"], "model.overlap_scoring")
     check_choice(a.get("resume_changes", "warn"), ResumeChanges, "model.resume_changes")
     check_memory_check(a.get("memory_check", "error"))
-    check_backend_installed(sampling)
     algo = a["algorithm"]  # an AlgorithmConfig, its dict (from a checkpoint) or None
     check_async_settings(algo or {}, sampling, a["overlap_scoring"])
     dynamic = algo.get("dynamic_sampling") if isinstance(algo, Mapping) else getattr(algo, "dynamic_sampling", False)

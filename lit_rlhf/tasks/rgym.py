@@ -42,7 +42,8 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from subprocess import PIPE, Popen
-from typing import Any, get_args, get_type_hints
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from lit_rlhf.config import ConfigError
 from lit_rlhf.registry import Task, TaskFamily
@@ -108,7 +109,26 @@ def parse_spec(spec: str, field: str) -> tuple[str, dict[str, Any], str]:
             raise ConfigError(f"{field}: {name} has no knob {key!r}; its knobs: {', '.join(allowed + list(OWN_KNOBS))}")
     hints = get_type_hints(datasets[name][1])
     knobs = {key: _as_enum(value, hints[key], f"{field}: {name} knob {key!r}") for key, value in knobs.items()}
+    for key, value in knobs.items():
+        _check_scalar(value, hints[key], f"{field}: {name} knob {key!r}")
     return name, knobs, answer_format
+
+
+def _check_scalar(value: Any, hint: Any, where: str) -> None:
+    """A `ConfigError` when a bool knob's value is not true/false, or a number knob's is not a number (the
+    query string's values are JSON: 'False', 'yes' or '1' would reach a bool knob as a truthy string or int)."""
+    options = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)  # not list[int]'s int
+    kinds = {kind for kind in options if kind in (bool, int, float)}
+    if value is None and type(None) in options:
+        return
+    if kinds == {bool}:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: {value!r} is not a boolean; write true or false (lower case)")
+    elif kinds and (isinstance(value, bool) or not isinstance(value, int | float)):
+        wanted = " or ".join(sorted(k.__name__ for k in kinds))
+        raise ConfigError(f"{where}: {value!r} is not a number ({wanted})")
+    elif kinds == {int} and isinstance(value, float):
+        raise ConfigError(f"{where}: {value!r} is not an integer")
 
 
 def _as_enum(value: Any, hint: Any, where: str) -> Any:

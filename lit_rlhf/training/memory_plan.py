@@ -49,11 +49,10 @@ import torch
 from torch import nn
 
 from lit_rlhf.algorithms.chunked_logprobs import block_shape
-from lit_rlhf.config import ConfigError, VLLMConfig
+from lit_rlhf.config import ConfigError, MemoryCheck, VLLMConfig, check_memory_check
 from lit_rlhf.registry import get_task, is_builtin
 from lit_rlhf.training.sharding import longest_module_list
 
-MemoryCheck = Literal["error", "warn", "off"]
 Moment = Literal["backward start", "backward end", "optimizer step"]
 BACKWARD_START: frozenset[Moment] = frozenset({"backward start"})
 BACKWARD_END: frozenset[Moment] = frozenset({"backward end"})
@@ -674,8 +673,7 @@ def fit_memory_check(module: Any, mode: MemoryCheck) -> MemoryPlan | None:
     """At fit start, before any model loads: plan, print the table on rank 0, and raise a `ConfigError` (mode
     'error') or warn (mode 'warn') when the plan exceeds the device's free memory. Outside a fit (no Trainer,
     or validate/test/predict) nothing is planned."""
-    if mode not in ("error", "warn", "off"):
-        raise ConfigError(f"model.memory_check: must be one of 'error', 'warn', 'off', got {mode!r}")
+    check_memory_check(mode)
     trainer = getattr(module, "_trainer", None)
     if mode == "off" or trainer is None or trainer.state.fn != "fit":
         return None

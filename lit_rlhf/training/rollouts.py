@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
-from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig
+from lit_rlhf.config import AlgorithmConfig, ConfigError, SamplingConfig, check_backend_installed
 from lit_rlhf.data.datamodule import RolloutDataModule
 from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
 from lit_rlhf.models.actor_critic import eval_mode
@@ -82,6 +82,8 @@ class Rollouts(L.LightningModule):
         trainer: Any = self.trainer  # Lightning sets `datamodule` on it during fit/validate/test/predict
         data = trainer.datamodule
         self.prompt_supply = data.connect(self.prompt_needs()) if isinstance(data, RolloutDataModule) else None
+        if stage == "fit":
+            check_backend_installed(self.rollout_settings.sampling)  # before any model loads
         if stage == "fit" and self.algorithm.max_staleness:
             self.check_async_fit(trainer)
         super().setup(stage)

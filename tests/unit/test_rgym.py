@@ -129,6 +129,25 @@ def test_knobs_are_read_as_json_and_checked_by_name(rgym):
         rgym.parse_spec("chain_sum?answer_format=boxed", "f")
 
 
+@pytest.mark.parametrize("text", ["False", "false_", "0", "1", "yes", '"true"'])
+def test_a_bool_knob_takes_only_true_or_false(rgym, text):
+    """'False' would stay a string (truthy) and 0/1 ints: both would turn negation on or off silently."""
+    with pytest.raises(
+        ConfigError, match=r"f: chain_sum knob 'allow_negation': .* is not a boolean; write true or false"
+    ):
+        rgym.parse_spec(f"chain_sum?allow_negation={text}", "f")
+    assert rgym.parse_spec("chain_sum?allow_negation=false", "f")[1] == {"allow_negation": False}
+
+
+def test_a_number_knob_takes_only_a_number(rgym):
+    with pytest.raises(ConfigError, match=r"chain_sum knob 'max_terms': 'three' is not a number \(int\)"):
+        rgym.parse_spec("chain_sum?max_terms=three", "f")
+    with pytest.raises(ConfigError, match=r"chain_sum knob 'max_terms': 2.5 is not an integer"):
+        rgym.parse_spec("chain_sum?max_terms=2.5", "f")
+    with pytest.raises(ConfigError, match=r"chain_sum knob 'max_terms': True is not a number"):
+        rgym.parse_spec("chain_sum?max_terms=true", "f")
+
+
 def test_an_unknown_dataset_lists_close_names(rgym):
     with pytest.raises(ConfigError, match=r"data.prompts: reasoning-gym has no dataset 'chain_sums'; close names: ch"):
         get_task("builtin:reasoning_gym/chain_sums", "data.prompts")
