@@ -9,6 +9,7 @@ tuple, 1-D tensor or 1-D numpy array of exactly B finite real numbers (not bools
 
 from __future__ import annotations
 
+import copy
 import importlib
 import numbers
 import os
@@ -176,14 +177,27 @@ def invoke(
     meta: dict[str, list[Any]],
     state: TrainerState | None = None,
 ) -> Any:
-    """`fn`'s raw answer (awaited, for an async function); any exception from it (SystemExit too, not
-    KeyboardInterrupt) as a `RewardError`."""
+    """`fn`'s raw answer (awaited, for an async function) on its own copy of the columns (`private_columns`);
+    any exception from it (SystemExit too, not KeyboardInterrupt) as a `RewardError`."""
     try:
-        return call(fn, prompts, responses, meta, state)
+        return call(fn, prompts, responses, private_columns(meta), state)
     except KeyboardInterrupt:
         raise
     except BaseException as err:  # user code: sys.exit() in it must not end the run quietly
         raise raised_error(fn, prompts, err) from err
+
+
+IMMUTABLE = (str, int, float, bool, bytes, type(None))
+
+
+def private_columns(meta: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """The columns as a reward function may keep or change them: new lists, and a deep copy of each column that
+    holds anything mutable (a dict, a list), so that no call changes what later reward functions, held-out
+    metrics or epochs see."""
+    return {
+        key: list(values) if all(isinstance(v, IMMUTABLE) for v in values) else copy.deepcopy(values)
+        for key, values in meta.items()
+    }
 
 
 def raised_error(fn: RewardFn, prompts: list[str], err: BaseException) -> RewardError:

@@ -43,6 +43,7 @@ from lit_rlhf.rewards.functions import (
     RewardFn,
     check_scores,
     invoke,
+    private_columns,
     raised_error,
     run_in_workers,
     timeout_error,
@@ -74,7 +75,7 @@ class RewardCall:
     async def awaited(self, nan_score: float | None, timeout_s: float | None) -> Tensor:
         """This call of an async function, awaited within `timeout_s` (cancelled past it) and checked."""
         try:
-            answer = start(self.fn, self.prompts, self.responses, self.meta, self.state)
+            answer = start(self.fn, self.prompts, self.responses, private_columns(self.meta), self.state)
             raw = await asyncio.wait_for(answer, timeout_s) if asyncio.iscoroutine(answer) else answer
         except TimeoutError as err:
             raise timeout_error(self.fn, self.prompts, timeout_s or 0.0, "cancelled") from err
