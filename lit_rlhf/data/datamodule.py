@@ -27,7 +27,7 @@ from typing import Any, Literal
 import lightning as L
 
 from lit_rlhf.config import ConfigError, check_choice, refuses_trl_names
-from lit_rlhf.data.handoff import PromptNeeds, PromptSupply
+from lit_rlhf.data.handoff import PromptNeeds, PromptSupply, training_step_running
 from lit_rlhf.data.prompts import PromptTokenizer
 from lit_rlhf.data.sources import PromptStream, builtin_rows, load_prompt_rows, prompt_key
 from lit_rlhf.models.loading import load_tokenizer
@@ -481,12 +481,3 @@ class RolloutDataModule(L.LightningDataModule):
         self.rows_trained = self.rows_before_batch = int(state["rows_consumed"])
         self.stream.load_state_dict(state)
         self._pending_state = None
-
-
-def training_step_running(trainer: Any) -> bool:
-    """Whether a fit's `training_step` has begun (its batch handed over) and not returned: a checkpoint written
-    now, from an exception inside it, belongs before that batch."""
-    loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
-    if loop is None or not getattr(trainer, "training", False):
-        return False
-    return loop.current.ready > loop.current.processed

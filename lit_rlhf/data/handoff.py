@@ -3,7 +3,7 @@
 Lightning runs the DataModule's `setup` first, then the module's; in its `setup` the module calls
 `RolloutDataModule.connect(PromptNeeds(...))` and keeps the `PromptSupply` it returns. Neither side reads the
 other's attributes: what the DataModule needs from the module, and what the module needs back, are these two
-types.
+types, and `training_step_running` tells both whether a checkpoint is written from inside a step.
 """
 
 from __future__ import annotations
@@ -45,3 +45,12 @@ class PromptSupply:
     fingerprint: str = ""
     """The prompt set and its order, in a line (its rows' hash or the task's name, seed, shuffling, batch size):
     a resumed fit compares it with the checkpoint's."""
+
+
+def training_step_running(trainer: Any) -> bool:
+    """Whether a fit's `training_step` has begun (its batch handed over) and not returned: a checkpoint written
+    now, from an exception inside it, belongs before that batch."""
+    loop = getattr(getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "batch_progress", None)
+    if loop is None or not getattr(trainer, "training", False):
+        return False
+    return loop.current.ready > loop.current.processed

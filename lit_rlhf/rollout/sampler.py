@@ -216,14 +216,12 @@ def sample(
 
     input_ids, attention_mask (B0, P) -> `SampleOutput` with response_ids (B, T), B = B0 * group_size: the
     `group_size` samples of prompt i are rows i*G .. i*G+G-1 (one prefill per prompt, its KV cache repeated).
-    A sequence ends at the first of the ids `eos_token_id` (one id or several, as in Hugging Face `generate`);
-    after it the sequence gets `pad_token_id`, and sampling stops early once every sequence has ended.
-    `stop_check_every`: steps between "has every sequence ended?" checks, each a host synchronisation on an
-    accelerator (None: 1 on CPU, 8 elsewhere). The output does not depend on it.
+    A sequence ends at the first of the ids `eos_token_id` (one or several, as in `generate`), then gets
+    `pad_token_id`; sampling stops once every sequence has ended, checked every `stop_check_every` steps (a host
+    synchronisation on an accelerator; None: 1 on CPU, 8 elsewhere; the output does not depend on it).
     `static_cache`: decode over a transformers `StaticCache` of fixed shapes (`lit_rlhf.rollout.static_decode`);
     `compile`: that, with the decode step `torch.compile`d (`sampling.backend: compiled`). The same draws.
-    `skip_finished`: decode only the rows not yet ended (dynamic cache; `COMPACT_BELOW`). The same draws.
-    """
+    `skip_finished`: decode only the rows not yet ended (dynamic cache; `COMPACT_BELOW`). The same draws."""
     if group_size < 1:
         raise ValueError(f"sample: group_size must be >= 1, got {group_size}")
     B, device = input_ids.shape[0] * group_size, input_ids.device

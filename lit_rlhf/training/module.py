@@ -50,13 +50,8 @@ from lit_rlhf.training.host_memory import return_freed_memory_on_cpu
 from lit_rlhf.training.lightning_checks import LightningToolChecks
 from lit_rlhf.training.memory_plan import MemoryCheck, fit_memory_check
 from lit_rlhf.training.optim import ManualOptimization, single_optimizer
-from lit_rlhf.training.rank0_weights import Rank0Loader, full_weights, send_rank0_weights
-from lit_rlhf.training.sharding import (
-    check_fsdp2_settings,
-    is_fsdp2,
-    reshard_frozen,
-    shard_module_models,
-)
+from lit_rlhf.training.rank0_weights import Rank0Loader
+from lit_rlhf.training.sharding import check_fsdp2_settings, is_fsdp2, reshard_frozen, shard_loaded_models
 from lit_rlhf.training.state import ExactResume, TrainingState
 from lit_rlhf.training.step_boundary import StepBoundary
 from lit_rlhf.training.step_logging import StepLogging
@@ -192,12 +187,7 @@ class RLHFModule(
         self.actor_critic = models.actor_critic
         self.reference, self.reward_model = models.reference, models.reward_model
         if strategy is not None:  # FSDP2 units (training/sharding.py), each rank's shard of rank 0's weights
-            roots = {"actor_critic": self.actor_critic}
-            if self.reference is not None and any(True for _ in self.reference.parameters()):
-                roots["reference"] = self.reference
-            full = full_weights(roots, strategy.global_rank)
-            shard_module_models(self, getattr(self, "shard_frozen", True))
-            send_rank0_weights(roots, full, strategy, strategy.root_device)
+            shard_loaded_models(self, strategy)
 
     def train(self, mode: bool = True) -> RLHFModule:
         """Lightning switches everything to train mode; the frozen models stay in eval mode."""
@@ -259,10 +249,8 @@ class RLHFModule(
     def make_experience(self, rollout: Rollout | PendingRollout) -> tuple[Experience, PolicyForward | None]:
         """Phase 3: the reference's and sampling policy's forwards, then (a pending rollout's scores) the experience.
 
-        The one fork of the single-pass shortcut: when the update is one pass over the rollout in one piece, the
-        sampling policy's forward is the update's own first forward, run here with grad and returned for the
-        update to reuse (one policy forward per step); otherwise it is a no-grad forward and None is returned.
-        """
+        When the update is one pass over the rollout in one piece, the sampling policy's forward is the update's
+        first forward, run with grad and returned for the update to reuse; otherwise a no-grad one, and None."""
         rollout, scored = split_pending(rollout)  # a pending rollout's scores are joined after the forwards
         algo = self.algorithm
         reference = self.reference_forward(rollout) if self.reference is not None else None
@@ -286,9 +274,7 @@ class RLHFModule(
     def update(self, exp: Experience, first_forward: PolicyForward | None = None) -> dict[str, float]:
         """Phase 4: `ppo_epochs` passes of minibatch steps; returns the statistics averaged over minibatches.
 
-        `first_forward`: the policy's forward over the whole rollout with grad (a single pass in one piece),
-        used as the loss's forward instead of running it again.
-        """
+        `first_forward`: the policy's forward over the whole rollout with grad, the loss's first forward."""
         algo = self.algorithm
         minibatch_size = exp.batch_size // algo.num_minibatches
         micro_size = algo.micro_batch_size or minibatch_size

@@ -17,6 +17,7 @@ from torch import nn
 from lit_rlhf.config import ConfigError
 from lit_rlhf.training.checkpoint_io import AtomicCheckpointIO
 from lit_rlhf.training.host_memory import return_freed_memory
+from lit_rlhf.training.rank0_weights import full_weights, send_rank0_weights
 
 
 def is_fsdp2(trainer: Any) -> bool:
@@ -102,6 +103,17 @@ def shard_module_models(module: Any, shard_frozen: bool) -> None:
     for frozen in (module.reference, module.reward_model):
         if frozen is not None and shard_frozen and any(True for _ in frozen.parameters()):
             shard_model(frozen, mesh)
+
+
+def shard_loaded_models(module: Any, strategy: Any) -> None:
+    """`shard_module_models` on models rank 0 alone has loaded (`Rank0Loader`): rank 0 takes the full weights of
+    the actor-critic and a reference with parameters first, then every rank gets its shard of them."""
+    roots = {"actor_critic": module.actor_critic}
+    if module.reference is not None and any(True for _ in module.reference.parameters()):
+        roots["reference"] = module.reference
+    full = full_weights(roots, strategy.global_rank)
+    shard_module_models(module, getattr(module, "shard_frozen", True))
+    send_rank0_weights(roots, full, strategy, strategy.root_device)
 
 
 @contextlib.contextmanager

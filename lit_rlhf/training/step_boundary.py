@@ -21,7 +21,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lit_rlhf.data.datamodule import training_step_running
+from lit_rlhf.data.handoff import training_step_running
 from lit_rlhf.training.state import TrainingState
 
 
