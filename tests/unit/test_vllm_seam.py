@@ -27,6 +27,7 @@ from lit_rlhf.rollout.backends.vllm_common import (
     VLLMError,
     call_with_timeout,
     import_vllm,
+    prompt_requests,
     response_grid,
     sampling_params,
 )
@@ -101,6 +102,16 @@ def test_requests_carry_our_sampling_settings():
     }  # fmt: skip
     greedy = sampling_params(SamplingConfig(max_new_tokens=3, do_sample=False), 1, 0, 2)
     assert greedy["temperature"] == 0.0 and "top_k" not in greedy
+
+
+def test_greedy_groups_send_each_prompt_group_size_times_with_n_1():
+    # vLLM refuses n > 1 with greedy decoding; the same answers come from the prompt repeated
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    greedy = SamplingConfig(max_new_tokens=3, do_sample=False)
+    assert prompt_requests(ids, mask, 3, greedy) == ([[5, 6]] * 3 + [[7, 8, 9]] * 3, 1)
+    assert prompt_requests(ids, mask, 1, greedy) == ([[5, 6], [7, 8, 9]], 1)
+    assert prompt_requests(ids, mask, 3, SamplingConfig(max_new_tokens=3)) == ([[5, 6], [7, 8, 9]], 3)
 
 
 def test_engine_outputs_land_on_the_response_grid():

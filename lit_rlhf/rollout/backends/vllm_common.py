@@ -78,6 +78,19 @@ def prompt_rows(input_ids: Tensor, attention_mask: Tensor) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
 
 
+def prompt_requests(
+    input_ids: Tensor, attention_mask: Tensor, group_size: int, sampling: SamplingConfig
+) -> tuple[list[list[int]], int]:
+    """The prompts to send (`prompt_rows`) and `n`, the samples asked per prompt sent, for `group_size` answers to
+    each prompt in prompt-major order. vLLM refuses greedy decoding with n > 1 ("n must be 1 when using greedy
+    sampling"), so a greedy request sends each prompt `group_size` times with n=1: identical answers, as the
+    other backends give."""
+    rows = prompt_rows(input_ids, attention_mask)
+    if sampling.do_sample or group_size == 1:
+        return rows, group_size
+    return [row for row in rows for _ in range(group_size)], 1
+
+
 def response_grid(
     samples: Sequence[tuple[Sequence[int], Sequence[float]]], pad_token_id: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:

@@ -27,7 +27,7 @@ from lit_rlhf.rollout.backends.vllm_common import (
     import_vllm,
     plain_model,
     policy_weights,
-    prompt_rows,
+    prompt_requests,
     request_seed,
     response_grid,
     sampling_params,
@@ -112,10 +112,11 @@ class VLLMEngineBackend:
         )
 
     def generate(self, prompts: PromptBatch, group_size: int, sampling: SamplingConfig) -> Generation:
+        rows, n = prompt_requests(prompts.input_ids, prompts.attention_mask, group_size, sampling)
         params = self.vllm.SamplingParams(
-            **sampling_params(sampling, group_size, request_seed(self.generator), self.eos_token_id), detokenize=False
+            **sampling_params(sampling, n, request_seed(self.generator), self.eos_token_id), detokenize=False
         )
-        requests = [{"prompt_token_ids": ids} for ids in prompt_rows(prompts.input_ids, prompts.attention_mask)]
+        requests = [{"prompt_token_ids": ids} for ids in rows]
         outputs = call_with_timeout(
             "generate",
             self.settings,

@@ -41,7 +41,7 @@ from lit_rlhf.rollout.backends.vllm_common import (
     VLLMError,
     plain_model,
     policy_weights,
-    prompt_rows,
+    prompt_requests,
     request_seed,
     response_grid,
     sampling_params,
@@ -140,10 +140,11 @@ class VLLMServerBackend:
 
     def generate(self, prompts: PromptBatch, group_size: int, sampling: SamplingConfig) -> Generation:
         self._wait_for_push()
+        rows, n = prompt_requests(prompts.input_ids, prompts.attention_mask, group_size, sampling)
         body = {
             "model": self.served,
-            "prompt": prompt_rows(prompts.input_ids, prompts.attention_mask),
-            **sampling_params(sampling, group_size, request_seed(self.generator), self.eos_token_id),
+            "prompt": rows,
+            **sampling_params(sampling, n, request_seed(self.generator), self.eos_token_id),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
