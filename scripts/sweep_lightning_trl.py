@@ -2,11 +2,12 @@
 line each: OK (it ran) or ERR (the error it got). The table in docs/migrating-from-trl.md ("Lightning's tools and
 TRL's habits, tried") records a run of it.
 
-    python scripts/sweep_lightning_trl.py              # every move (about two minutes on one CPU core)
+    python scripts/sweep_lightning_trl.py              # every move (about four minutes on one CPU core)
     python scripts/sweep_lightning_trl.py timer barebones
 """
 
 import asyncio
+import functools
 import os
 import sys
 import tempfile
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch import callbacks as cb
 
@@ -34,7 +36,7 @@ def module(**kw):
     kw.setdefault("reward_fns", reward)
     return RLHFModule(
         policy=builtin_policy(n_layer=1, n_embd=32, n_head=2),
-        tokenizer=builtin_tokenizer(),
+        tokenizer=kw.pop("tokenizer", builtin_tokenizer()),
         algorithm=kw.pop("algorithm", AlgorithmConfig(group_size=2)),
         sampling=SamplingConfig(max_new_tokens=4),
         log_samples_every_n_steps=0,
@@ -332,6 +334,210 @@ def trl_reward_weights_len_mismatch(r):
 @case
 def trl_num_generations_kw(r):
     module(num_generations=4)
+
+
+# A second round, moves written after issue 50: each checks the effect a silent failure would hide.
+
+
+def chat_tokenizer():
+    """The digits tokenizer with a chat template that writes each message's text."""
+    tokenizer = builtin_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return tokenizer
+
+
+def score_of(trainer_):
+    return float(trainer_.callback_metrics["rollout/score_mean"])
+
+
+@case
+def trl_reward_numpy_array(r):
+    def as_array(completions, **kw):
+        return np.array([float(len(c)) for c in completions])
+
+    t = trainer(r, max_steps=1)
+    t.fit(module(reward_fns=as_array), data())
+    assert score_of(t) > 0  # the lengths, not zeros
+
+
+@case
+def trl_reward_tensor_with_grad(r):
+    weight = torch.ones((), requires_grad=True)  # a judge model's output, still attached to its graph
+
+    def judged(completions, **kw):
+        return weight * torch.tensor([float(len(c)) for c in completions])
+
+    trainer(r, max_steps=1).fit(module(reward_fns=judged), data())
+
+
+@case
+def trl_reward_bools(r):
+    def is_sorted(completions, **kw):
+        return [list(c) == sorted(c) for c in completions]
+
+    trainer(r, max_steps=1).fit(module(reward_fns=is_sorted), data())
+
+
+@case
+def trl_reward_kwargs_only(r):
+    seen = {}
+
+    def by_keyword(**kwargs):
+        seen.update(kwargs)
+        return [1.0] * len(kwargs["completions"])
+
+    trainer(r, max_steps=1).fit(module(reward_fns=by_keyword), data())
+    assert {"prompts", "completions"} <= set(seen), sorted(seen)
+
+
+@case
+def trl_reward_partial(r):
+    def near(completions, target, **kw):
+        return [-abs(target - len(c)) for c in completions]
+
+    t = trainer(r, max_steps=1)
+    t.fit(module(reward_fns=[functools.partial(near, target=2), functools.partial(near, target=4)]), data())
+    assert {"reward/near_1/mean", "reward/near_2/mean"} <= set(t.callback_metrics), sorted(t.callback_metrics)
+
+
+@case
+def reward_callable_object(r):
+    class Judge:
+        def __call__(self, prompts, responses, **meta):
+            return [1.0] * len(responses)
+
+    t = trainer(r, max_steps=1)
+    t.fit(module(reward_fns=[Judge(), reward]), data())
+    assert "reward/Judge/mean" in t.callback_metrics
+
+
+@case
+def trl_reward_nan(r):
+    def undecided(completions, **kw):
+        return [float("nan")] * len(completions)
+
+    trainer(r, max_steps=1).fit(module(reward_fns=undecided), data())
+
+
+@case
+def trl_conversational_prompt_column(r):
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+    t = trainer(r, max_steps=1)
+    t.fit(module(tokenizer=chat_tokenizer()), RolloutDataModule(prompts=rows, batch_size=2, max_prompt_length=16))
+
+
+@case
+def hf_dataset_with_messages_column(r):
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    t = trainer(r, max_steps=1)
+    t.fit(module(tokenizer=chat_tokenizer()), RolloutDataModule(prompts=rows, batch_size=2, max_prompt_length=16))
+
+
+@case
+def hf_dataset_with_prompt_column(r):
+    import datasets
+
+    rows = datasets.Dataset.from_dict({"prompt": PROMPTS, "target": list(range(len(PROMPTS)))})
+    seen = []
+
+    def with_target(prompts, responses, target, **meta):
+        seen.extend(target)
+        return [0.0] * len(responses)
+
+    trainer(r, max_steps=1).fit(module(reward_fns=with_target), RolloutDataModule(prompts=rows, batch_size=2))
+    assert seen and all(isinstance(x, int) for x in seen), seen
+
+
+@case
+def fit_with_the_datamodules_dataloader(r):
+    dm = data(tokenizer=builtin_tokenizer())
+    dm.setup("fit")
+    trainer(r).fit(module(), dm.train_dataloader())
+
+
+@case
+def log_every_n_steps_above_max_steps(r):
+    with tempfile.TemporaryDirectory() as logs:
+        trainer(r, log_every_n_steps=50, logger=L.pytorch.loggers.CSVLogger(logs)).fit(module(), data())
+
+
+@case
+def precision_16_mixed_on_cpu(r):
+    trainer(r, precision="16-mixed").fit(module(), data())
+
+
+@case
+def accelerator_and_devices_auto(r):
+    trainer(r, accelerator="auto", devices="auto").fit(module(), data())
+
+
+@case
+def fractional_limits(r):
+    t = trainer(r, max_steps=-1, max_epochs=1, limit_train_batches=0.5, val_check_interval=0.5)
+    t.fit(module(), data())
+    assert t.global_step > 0
+
+
+@case
+def max_epochs_only(r):
+    t = trainer(r, max_steps=-1, max_epochs=1)
+    t.fit(module(), data())
+    assert t.fit_loop.epoch_loop.batch_idx + 1 == len(PROMPTS) // 2  # one pass over the prompts
+
+
+@case
+def trl_reward_solution_column(r):
+    rows = [{"prompt": p, "solution": "".join(sorted(p[:-1]))} for p in PROMPTS]
+
+    def accuracy(completions, solution, **kw):
+        return [float(c.startswith(s)) for c, s in zip(completions, solution, strict=True)]
+
+    trainer(r, max_steps=1).fit(module(reward_fns=accuracy), RolloutDataModule(prompts=rows, batch_size=2))
+
+
+@case
+def reward_model_logits_column(r):
+    def logits(completions, **kw):
+        return torch.zeros(len(completions), 1)  # a sequence classifier's (B, 1) logits
+
+    trainer(r, max_steps=1).fit(module(reward_fns=logits), data())
+
+
+@case
+def reward_fns_tuple_weights_array(r):
+    t = trainer(r, max_steps=1)
+    t.fit(module(reward_fns=(reward, reward), reward_weights=np.array([1.0, 0.0])), data())
+
+
+@case
+def default_trainer_checkpoint_and_resume(r):
+    L.Trainer(max_steps=2, default_root_dir=r, enable_progress_bar=False).fit(module(), data())
+    saved = [f for _, _, files in os.walk(r) for f in files if f.endswith(".ckpt")]
+    assert saved, "no checkpoint under default_root_dir"
+    t = L.Trainer(max_steps=3, default_root_dir=r, enable_progress_bar=False)
+    t.fit(module(), data(), ckpt_path="last")
+    assert t.global_step == 3, t.global_step
+
+
+@case
+def own_configure_optimizers_sgd(r):
+    class WithSGD(RLHFModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    torch.manual_seed(0)
+    m = WithSGD(policy=builtin_policy(n_layer=1, n_embd=32, n_head=2), tokenizer=builtin_tokenizer(), reward_fns=reward)
+    before = [p.detach().clone() for p in m.parameters() if p.requires_grad]
+    trainer(r).fit(m, data())
+    after = [p for p in m.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)), "SGD changed nothing"
+
+
+@case
+def precision_bf16_true(r):
+    trainer(r, precision="bf16-true").fit(module(), data())
 
 
 def main(names: list[str]) -> None:

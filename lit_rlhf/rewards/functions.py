@@ -10,6 +10,7 @@ tuple, 1-D tensor or 1-D numpy array of exactly B finite real numbers (not bools
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import numbers
 import os
@@ -116,7 +117,10 @@ def callable_path(fn: RewardFn) -> str:
 
 
 def callable_name(fn: RewardFn) -> str:
-    """The short name of a function, or of a callable object's class: a metric's name in logs."""
+    """The short name of a function, of the function a `functools.partial` wraps, or of a callable object's class:
+    a metric's name in logs."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 

@@ -5,6 +5,7 @@ the right setting, a peft `LoraConfig` taken as `lora`."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -151,6 +152,14 @@ def test_each_functions_own_scores_are_kept_unweighted():
     assert total.tolist() == [0.5 * 2 * n - 2 * n for n in lengths]
     assert composer.names() == ["double_1", "ours_without_state", "double_2"]
     assert one_part([torch.zeros(1, 1), torch.zeros(1, 1)]) is None  # two composer calls: ambiguous
+
+
+def test_a_partial_is_named_after_the_function_it_wraps():
+    def near(prompts, responses, target, **meta):
+        return [-abs(target - len(r)) for r in responses]
+
+    composer = RewardComposer([functools.partial(near, target=2), functools.partial(functools.partial(near), target=4)])
+    assert composer.names() == ["near_1", "near_2"]  # not `partial_1`, `partial_2`
 
 
 def test_a_lora_config_for_another_task_is_refused():
