@@ -1,8 +1,9 @@
 """Worker processes for reward calls that need a hard time limit: a call is sent to a worker process, and one that
-overruns its deadline is killed (SIGKILL) and replaced. Only the standard library here (and
-`lit_rlhf.rewards.binding`, which binds the parameters as the training process does, also standard library
-only): `lit_rlhf.rewards.functions`
-turns the `IsolationError`s into `RewardError`s naming the function, and checks the scores.
+overruns its deadline is killed (SIGKILL) and replaced. Each worker leads a process group of its own, and is killed
+with it: the processes a reward function started in it end with it, at a timeout and when the fit ends. Only the
+standard library here (and `lit_rlhf.rewards.binding`, which binds the parameters as the training process does,
+also standard library only): `lit_rlhf.rewards.functions` turns the `IsolationError`s into `RewardError`s naming
+the function, and checks the scores.
 
 Workers start with the 'forkserver' method where there is one (else 'spawn'), never a plain fork of the training
 process (its threads and CUDA state); the functions and their arguments must be picklable.
@@ -10,6 +11,7 @@ process (its threads and CUDA state); the functions and their arguments must be 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -48,6 +50,7 @@ def default_start_method() -> str:
 def _serve(conn: Connection) -> None:
     """A worker process: run (fn, prompts, responses, meta, trainer_state) requests until the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it ends the workers
+    os.setpgid(0, 0)  # a process group of its own: killing it ends the processes a reward started too
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))
     while True:
         try:
@@ -126,6 +129,9 @@ class ProcessWorkers:
     def kill(self, i: int) -> None:
         worker, self._workers[i] = self._workers[i], None
         if worker is not None:
+            if worker.ready:  # its group (set before it said ready): the worker and what its rewards started
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(worker.process.pid, signal.SIGKILL)
             worker.process.kill()
             worker.process.join(5)
             worker.conn.close()

@@ -268,6 +268,9 @@ class Rollouts(L.LightningModule):
         for backend, _ in self._backends.values():
             backend.close()
         self._backends.clear()
+        reward = getattr(self, "reward", None)  # the reward worker processes, with what their rewards started
+        if reward is not None:
+            reward.close()
 
     def teardown(self, stage: str) -> None:
         self.close_rollouts(stopping=self._trainer is not None and self._trainer.received_sigterm)
