@@ -185,3 +185,18 @@ def test_one_step_of_the_recipe_with_its_dynamic_sampling(smollm2_folder, tmp_pa
     if rounds < 3:  # it stops early only when every one of the 2 groups differs
         assert kept == 1.0
     assert kept in (0.0, 0.5, 1.0)
+
+
+def test_grpo_on_an_eos_list_checkpoint_ends_responses_at_end_of_turn(smollm2_folder, tmp_path):
+    # SmolLM2 re-shipped as Llama-3 and Qwen chat checkpoints are: tokenizer EOS `<|endoftext|>`, generation config
+    # EOS [`<|im_end|>`, `<|endoftext|>`]. Stopping at the tokenizer's EOS alone, every response of 16 tokens runs
+    # on past `<|im_end|>` (frac_truncated 1.0, measured; scripts/eos_list_smollm2.py --tokenizer-eos-only).
+    from eos_list_smollm2 import reship, train
+
+    folder = reship(smollm2_folder, str(tmp_path / "model"))
+    with open(os.path.join(folder, "generation_config.json")) as handle:
+        assert len(json.load(handle)["eos_token_id"]) == 2
+    start = time.perf_counter()
+    (frac_truncated,) = train(folder, steps=1, max_new_tokens=16, root=str(tmp_path), temperature=0.7)
+    assert frac_truncated <= 0.5, frac_truncated  # 8 short arithmetic answers: most end at `<|im_end|>`
+    assert time.perf_counter() - start < 120
