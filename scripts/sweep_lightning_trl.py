@@ -1,6 +1,6 @@
 """Lightning's trainer flags and callbacks and TRL's reward habits, each tried on a tiny GRPO run on the CPU; one
-line each: OK (it ran) or ERR (the error it got). The table in docs/migrating-from-trl.md ("Lightning's tools and
-TRL's habits, tried") records a run of it.
+line each: OK (it ran) or ERR (the error it got). The tables in docs/lightning-tools.md ("Every flag and callback
+tried") and docs/migrating-from-trl.md ("TRL's habits, tried") record a run of it.
 
     python scripts/sweep_lightning_trl.py              # every move (about four minutes on one CPU core)
     python scripts/sweep_lightning_trl.py timer barebones
