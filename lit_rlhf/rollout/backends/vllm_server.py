@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import urllib.error
@@ -167,24 +168,39 @@ class VLLMServerBackend:
             json.dump({"version": self.pushes, "model": self.served}, file)
         self.last_sync = (time.perf_counter() - start, sent)
 
-    def _serves_lora(self) -> bool:
-        """Whether the server loads LoRA adapters at run time (its `/v1/unload_lora_adapter` route exists: an
-        unknown name is vLLM's error, not FastAPI's bare 404)."""
+    def _lora_enabled(self) -> bool:
+        """Whether the server's engine was started with LoRA (its worker lists its adapters)."""
+        try:
+            self._request("the LoRA check", "/collective_rpc", {"method": "list_loras"})
+        except VLLMError as err:
+            if "LoRA is not enabled" in str(err):
+                return False
+            raise
+        return True
+
+    def _loads_adapters(self) -> bool:
+        """Whether the server loads adapters at run time: its `/v1/unload_lora_adapter` route exists (an unknown
+        name is vLLM's own error, not FastAPI's bare 404)."""
         try:
             self._request("the LoRA check", "/v1/unload_lora_adapter", {"lora_name": "lit_rlhf-no-such-adapter"})
         except VLLMError as err:
-            return '"detail":"Not Found"' not in str(err).replace(" ", "")
+            return re.search(r'"detail":\s*"Not Found"', str(err)) is None
         return True
 
     def _choose_adapters(self, policy: nn.Module) -> bool:
         """Push adapters (the policy's LoRA, which vLLM serves, to a server that loads adapters) or full weights
-        (logged with the reason for a LoRA policy); full weights to a server started with LoRA are refused: vLLM
-        0.32 reloads them wrongly into its LoRA layers."""
+        (logged with the reason for a LoRA policy). Full weights to a server started with LoRA are refused: vLLM
+        0.32 reloads them wrongly into its LoRA layers (the probe scored 15 nats away)."""
         adapters, reason = serves_adapters(policy, self.settings.lora_adapters)
-        lora_server = self._serves_lora()
+        lora_server = self._lora_enabled()
+        restart = f"start it with scripts/vllm_server.py --lora-rank {lora_rank(policy) if adapters else 'r'}"
         if adapters and not lora_server:
-            adapters = False
-            reason = f"the server at {self.url} loads no LoRA adapters (start it with --lora-rank {lora_rank(policy)})"
+            adapters, reason = False, f"the server at {self.url} was started without LoRA ({restart})"
+        if adapters and not self._loads_adapters():
+            raise ConfigError(
+                f"sampling.vllm.server_url: the server at {self.url} serves LoRA but cannot load adapters at run "
+                f"time; {restart}, which sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+            )
         if reason is not None:
             log.warning("sampling.vllm: the LoRA policy is pushed as merged full weights: %s", reason)
         if lora_server and not adapters:
