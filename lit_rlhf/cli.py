@@ -42,10 +42,11 @@ from lit_rlhf.training.checkpoint_io import (
     is_distributed_checkpoint,
     load_checkpoint_file,
 )
+from lit_rlhf.training.checkpoint_trust import without_vllm_server
 from lit_rlhf.training.memory_plan import GiB, available_bytes, plan_memory, plan_settings
 from lit_rlhf.training.module import RLHFModule
 from lit_rlhf.training.reward_model_training import PreferenceDataModule, RewardModelModule
-from lit_rlhf.training.state import CHECKPOINT_KEY
+from lit_rlhf.training.state import CHECKPOINT_KEY, checkpoint_hparams
 
 # A Lightning notice that does not apply to these runs, silenced only while a command of this file runs:
 # ModelCheckpoint under manual optimisation suggests saving the weights from before the optimizer step, but the
@@ -351,6 +352,7 @@ def export_checkpoint(
     # exporting scores nothing: the training's reward and metric functions (perhaps defined in a script that is
     # not importable here) are not needed
     overrides.update(reward_fns=[_no_scoring_in_export], reward_weights=None, metric_fns=None, environment=None)
+    overrides.update(without_vllm_server(checkpoint_hparams(ckpt_path)))  # an export sends nothing to a server
     if trust_remote_code:
         overrides["trust_remote_code"] = True
     try:

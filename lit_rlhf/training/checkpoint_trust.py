@@ -8,8 +8,9 @@ code. Someone else's checkpoint must not choose code for this process, so withou
   that an installed package registered as a `lit_rlhf.tasks` entry point; any other becomes an
   `UnavailableFunction` that is never imported (loading, exporting and generating work; scoring with it raises,
   naming `reward_fns=` / `metric_fns=`);
-- an environment other than `builtin:<name>`, and `trust_remote_code: true`, are a `CheckpointError` naming the
-  setting and how to pass it to `load_from_checkpoint` explicitly.
+- an environment other than `builtin:<name>`, `trust_remote_code: true`, and a vLLM server (its address and the
+  folder the weights are written to) are a `CheckpointError` naming the setting and how to pass it to
+  `load_from_checkpoint` explicitly.
 
 Arguments the caller passes to `load_from_checkpoint` are the caller's choice and are used as given.
 """
@@ -30,6 +31,21 @@ from lit_rlhf.training.checkpoint_io import CheckpointError
 LIBRARY_FUNCTION_MODULES = ("lit_rlhf.rewards.verifiable", "lit_rlhf.tasks")
 """lit_rlhf's own modules (and their submodules) whose functions a checkpoint may name."""
 FUNCTION_KEYS = ("reward_fns", "metric_fns")
+SAMPLING_KEYS = ("sampling", "val_sampling")
+
+
+def without_vllm_server(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint's sampling settings that name a vLLM server, with the in-process 'lean' backend instead (for
+    an export, which samples nothing but writes the other settings into the generation config)."""
+    local = {}
+    for key in SAMPLING_KEYS:
+        settings = hparams.get(key)
+        if isinstance(settings, Mapping) and isinstance(settings.get("vllm"), Mapping):
+            if settings["vllm"].get("mode") == "server":
+                local[key] = {**settings, "backend": "lean", "vllm": None}
+    return local
+
+
 OPT_IN = "trust_checkpoint_code=True"
 
 
@@ -110,6 +126,14 @@ def load_arguments(path: Any, hparams: Mapping[str, Any], given: dict[str, Any],
             f"{BUILTIN_PREFIX}<name> environment); a checkpoint may not choose code to run. Pass environment=... (or "
             f"environment=None to load without it) to load_from_checkpoint, or {OPT_IN} for a file you made"
         )
+    for key in SAMPLING_KEYS:
+        vllm = hparams.get(key, {}).get("vllm") if isinstance(hparams.get(key), Mapping) else None
+        if key not in given and isinstance(vllm, Mapping) and vllm.get("mode") == "server":
+            raise CheckpointError(
+                f"checkpoint {path}: model.{key}.vllm names a vLLM server ({vllm.get('server_url')!r}) and a folder "
+                f"to write the weights to ({vllm.get('weights_dir')!r}); a checkpoint may not choose where prompts "
+                f"are sent or files are written. Pass {key}=... to load_from_checkpoint (or {OPT_IN})"
+            )
     if "trust_remote_code" not in given and hparams.get("trust_remote_code") not in (None, False):
         raise CheckpointError(
             f"checkpoint {path}: model.trust_remote_code is {hparams['trust_remote_code']!r}, which lets the model "

@@ -106,6 +106,20 @@ def test_load_refuses_trust_remote_code_the_checkpoint_switches_on(trained, tmp_
     assert RLHFModule.load_from_checkpoint(path, trust_remote_code=True).hparams["trust_remote_code"] is True
 
 
+def test_a_vllm_server_the_checkpoint_names_is_refused_and_export_ignores_it(trained, tmp_path):
+    """A checkpoint's vLLM server would receive the prompts, and its weights folder the policy's weights."""
+    checkpoint = torch.load(trained, weights_only=True)
+    server = {"mode": "server", "server_url": "http://attacker:8000", "weights_dir": str(tmp_path / "escaped")}
+    sampling = {**checkpoint["hyper_parameters"]["sampling"], "backend": "vllm", "vllm": server}
+    path = tampered(trained, tmp_path / "x.ckpt", sampling=sampling)
+    with pytest.raises(CheckpointError, match=r"model.sampling.vllm names a vLLM server .*attacker.*Pass sampling="):
+        RLHFModule.load_from_checkpoint(path)
+    from lit_rlhf.cli import export_main
+
+    export_main(["--ckpt", str(path), "--out", str(tmp_path / "policy")])
+    assert (tmp_path / "policy" / "config.json").is_file() and not (tmp_path / "escaped").exists()
+
+
 def test_tokenizer_files_with_a_path_for_a_name_are_refused(trained, tmp_path):
     """A module built from instances carries its tokenizer's files; a name that is a path would choose where the
     file is written when the checkpoint is loaded."""
