@@ -40,9 +40,9 @@ def without_vllm_server(hparams: Mapping[str, Any]) -> dict[str, Any]:
     local = {}
     for key in SAMPLING_KEYS:
         settings = hparams.get(key)
-        if isinstance(settings, Mapping) and isinstance(settings.get("vllm"), Mapping):
-            if settings["vllm"].get("mode") == "server":
-                local[key] = {**settings, "backend": "lean", "vllm": None}
+        vllm = settings.get("vllm") if isinstance(settings, Mapping) else None
+        if isinstance(settings, Mapping) and isinstance(vllm, Mapping) and vllm.get("mode") == "server":
+            local[key] = {**settings, "backend": "lean", "vllm": None}
     return local
 
 
