@@ -422,8 +422,13 @@ def trl_reward_nan(r):
 @case
 def trl_conversational_prompt_column(r):
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in PROMPTS]
+
+    def reply_length(completions, **kw):  # TRL's conversational form: each completion a list of messages
+        return [float(len(c[0]["content"])) for c in completions]
+
     t = trainer(r, max_steps=1)
-    t.fit(module(tokenizer=chat_tokenizer()), RolloutDataModule(prompts=rows, batch_size=2, max_prompt_length=16))
+    dm = RolloutDataModule(prompts=rows, batch_size=2, max_prompt_length=16)
+    t.fit(module(tokenizer=chat_tokenizer(), reward_fns=reply_length), dm)
 
 
 @case
@@ -538,6 +543,19 @@ def own_configure_optimizers_sgd(r):
 @case
 def precision_bf16_true(r):
     trainer(r, precision="bf16-true").fit(module(), data())
+
+
+@case
+def seed_everything_twice_same_run(r):
+    runs = []
+    for _ in range(2):
+        L.seed_everything(7, workers=True)
+        m = RLHFModule(
+            policy=builtin_policy(n_layer=1, n_embd=32, n_head=2), tokenizer=builtin_tokenizer(), reward_fns=reward
+        )
+        trainer(r).fit(m, data())
+        runs.append(torch.cat([p.detach().flatten() for p in m.parameters() if p.requires_grad]))
+    assert torch.equal(runs[0], runs[1]), "two seeded runs differ"
 
 
 def main(names: list[str]) -> None:

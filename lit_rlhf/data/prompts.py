@@ -21,6 +21,9 @@ from lit_rlhf.types import PromptBatch
 
 CHECK_CHUNK = 1024
 """Rows per tokenizer call when `check_lengths` walks a whole prompt set."""
+CONVERSATIONS = "messages"
+"""The column a batch's conversations are found in (`lit_rlhf.rewards.binding` reads it for TRL-form rewards, which
+take conversational prompts and completions as message lists), whichever column of the rows held them."""
 
 
 class PromptTokenizer:
@@ -139,5 +142,14 @@ class PromptTokenizer:
         )
         # every extra column of any row, in order of first appearance; None where a row lacks it
         keys = dict.fromkeys(key for row in rows for key in row if key != self.prompt_column)
-        meta = {key: [row.get(key) for row in rows] for key in keys}
+        meta: dict[str, list[Any]] = {key: [row.get(key) for row in rows] for key in keys}
+        if CONVERSATIONS not in meta and (conversations := self.conversations(rows)) is not None:
+            meta[CONVERSATIONS] = conversations
         return PromptBatch(input_ids=input_ids, attention_mask=attention_mask, texts=texts, meta=meta)
+
+    def conversations(self, rows: list[dict[str, Any]]) -> list[list[Any]] | None:
+        """Each row's message list when every row's prompt is one (in `prompt_column`, as TRL's conversational
+        rows hold it, or in `messages_column`), else None."""
+        values = [prompt_value(row, self.prompt_column, self.messages_column) for row in rows]
+        chats = [value for value in values if not isinstance(value, str)]
+        return chats if len(chats) == len(values) else None

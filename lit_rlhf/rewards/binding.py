@@ -5,9 +5,10 @@ training process does. Three forms are accepted, chosen from the function's sign
 
 - **TRL's**: a parameter named `completions`, or only `**kwargs`: called by keyword as TRL's `GRPOTrainer` calls
   it: `prompts=`, `completions=` (the responses) and every extra column of the prompt rows (all of them when the
-  function takes `**kwargs`, else those it names). When the rows are conversations (their messages column holds
-  a message list, or such a list as a JSON string), `prompts` are those message lists and each completion is a
-  message list `[{"role": "assistant", "content": response}]`, as TRL passes them; otherwise both are strings.
+  function takes `**kwargs`, else those it names). When the rows are conversations (a message list, or such a list
+  as a JSON string, in their prompt or messages column: the batch's `messages` column), `prompts` are those message
+  lists and each completion is a message list `[{"role": "assistant", "content": response}]`, as TRL passes them;
+  otherwise both are strings.
 - **ours by name**: a parameter named `responses`: called by keyword, `prompts=`, `responses=` and the columns.
 - **ours by position**: `fn(prompts, responses, **meta)`: the first two positional parameters (whatever their
   names) take the prompt and response texts, the columns go by keyword.

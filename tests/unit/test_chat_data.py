@@ -12,6 +12,7 @@ from lit_rlhf.data import chat
 from lit_rlhf.data.chat import encode_chat
 from lit_rlhf.data.prompts import PromptTokenizer
 from lit_rlhf.rewards.columns import check_columns, required_columns
+from lit_rlhf.rewards.functions import call_reward_fn
 
 CHARS = "abcdefghijklmnopqrstuvwxyz <>|/:?!.,\n0123456789"
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
@@ -70,6 +71,26 @@ def test_chat_prompt_without_bos_tokenizer():
     assert batch.texts == ["<|user|>a\n<|assistant|>"]
     assert batch.input_ids[0].tolist() == [USER, *chars("a\n"), ASSISTANT]
     assert batch.meta == {"messages": [[{"role": "user", "content": "a"}]]}  # the messages reach reward functions
+
+
+def test_trl_rewards_get_message_lists_whichever_column_held_the_conversation():
+    # TRL's conversational rows hold the messages in `prompt`; a TRL reward reads `completion[0]["content"]`
+    tok = char_tokenizer(bos=False, template=PLAIN_TEMPLATE)
+    hi, yo = [{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]
+
+    def reply_lengths(completions, prompts, **kwargs):
+        assert prompts == [hi, yo]
+        return [float(len(c[0]["content"])) for c in completions]
+
+    for column, rows in [
+        ("prompt", [{"prompt": hi, "answer": "1"}, {"prompt": yo, "answer": "2"}]),
+        ("conversation", [{"conversation": hi}, {"conversation": yo}]),
+    ]:
+        batch = PromptTokenizer(tok, 64, "error", "prompt", column)(rows)
+        assert batch.meta["messages"] == [hi, yo]
+        assert call_reward_fn(reply_lengths, batch.texts, ["abc", "a"], batch.meta).tolist() == [3.0, 1.0]
+    mixed = PromptTokenizer(tok, 64, "error", "prompt")([{"prompt": hi}, {"prompt": "plain"}])
+    assert "messages" not in mixed.meta  # not every row is a conversation: TRL rewards get strings
 
 
 def test_special_token_spelled_in_a_plain_prompt_is_refused_unless_told_text_or_parse():
