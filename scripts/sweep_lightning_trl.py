@@ -558,6 +558,29 @@ def seed_everything_twice_same_run(r):
     assert torch.equal(runs[0], runs[1]), "two seeded runs differ"
 
 
+@case
+def trl_max_prompt_length_none(r):
+    RolloutDataModule(prompts=PROMPTS, batch_size=2, max_prompt_length=None)  # type: ignore[arg-type]  # as a TRL user writes it
+
+
+@case
+def trl_temperature_zero(r):
+    SamplingConfig(max_new_tokens=4, temperature=0.0)
+
+
+@case
+def trl_top_k_zero(r):
+    algorithm = AlgorithmConfig(group_size=2)
+    m = RLHFModule(
+        policy=builtin_policy(n_layer=1, n_embd=32, n_head=2),
+        tokenizer=builtin_tokenizer(),
+        reward_fns=reward,
+        algorithm=algorithm,
+        sampling=SamplingConfig(max_new_tokens=4, top_k=0),
+    )
+    trainer(r, max_steps=1).fit(m, data())
+
+
 def main(names: list[str]) -> None:
     for name in names or list(CASES):
         with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as w:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import random
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -162,9 +163,20 @@ class HeldOutBatches:
             yield self.to_batch(self.rows[start : start + self.batch_size])
 
 
+NO_PROMPT_LIMIT = (
+    "; TRL's None (no limit) is not taken: give a limit above the longest prompt's tokens (lit-rlhf check reports "
+    "them), or data.prompt_truncation: left"
+)
+
+
 def check_data_settings(settings: dict[str, Any]) -> None:
     """`RolloutDataModule`'s numeric and choice settings (its constructor's arguments by name)."""
     s = settings
+    for name in ("batch_size", "max_prompt_length", "val_size", "rollouts_per_epoch", "val_batch_size"):
+        value, optional = s[name], name in ("rollouts_per_epoch", "val_batch_size")
+        if not (value is None and optional) and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
+            hint = NO_PROMPT_LIMIT if name == "max_prompt_length" and value is None else ""
+            raise ConfigError(f"data.{name}: must be an integer{' or None' if optional else ''}, got {value!r}{hint}")
     if s["batch_size"] < 1:
         raise ConfigError(f"data.batch_size: must be >= 1, got {s['batch_size']}")
     if s["max_prompt_length"] < 1:
