@@ -6,6 +6,8 @@
 - A checkpoint callback counting optimizer steps (`ModelCheckpoint(every_n_train_steps=k)`) is checked at fit start
   against the optimizer steps of one rollout (`ppo_epochs x num_minibatches`): checkpoints are only considered
   between rollouts, so a k that is not a multiple saves less often than asked; a warning names the multiple.
+  `trainer.max_steps` is checked the same way: a run ends only after a whole rollout, past a `max_steps` that is
+  not a multiple.
 """
 
 from __future__ import annotations
@@ -39,9 +41,26 @@ class LightningToolChecks(L.LightningModule):
         super().setup(stage)
 
     def on_fit_start(self) -> None:
-        for message in checkpoint_cadence_warnings(self.trainer.checkpoint_callbacks, self.algorithm):
-            warnings.warn(message, stacklevel=2)
+        messages = checkpoint_cadence_warnings(self.trainer.checkpoint_callbacks, self.algorithm)
+        for message in [*messages, max_steps_warning(self.trainer.max_steps, self.algorithm)]:
+            if message:
+                warnings.warn(message, stacklevel=2)
         super().on_fit_start()
+
+
+def max_steps_warning(max_steps: int, algo: AlgorithmConfig) -> str | None:
+    """A warning when `max_steps` (optimizer steps) is not a multiple of the optimizer steps per rollout: the
+    rollout that crosses it runs to its end, so the run takes more steps than asked (and a learning-rate schedule
+    that ends at `max_steps` has its last steps past its end)."""
+    per_rollout = algo.ppo_epochs * algo.num_minibatches
+    if max_steps is None or max_steps <= 0 or max_steps % per_rollout == 0:
+        return None
+    ends_at = max_steps + per_rollout - max_steps % per_rollout
+    return (
+        f"trainer.max_steps: {max_steps} counts optimizer steps, and each rollout takes {per_rollout} (ppo_epochs "
+        f"{algo.ppo_epochs} x num_minibatches {algo.num_minibatches}); a rollout is not cut short, so the run ends "
+        f"at step {ends_at} ({ends_at // per_rollout} rollouts). Use a multiple of {per_rollout}"
+    )
 
 
 def checkpoint_cadence_warnings(callbacks: list[Any], algo: AlgorithmConfig) -> list[str]:

@@ -138,3 +138,18 @@ def test_a_step_counting_checkpoint_is_checked_against_a_rollouts_optimizer_step
     else:
         assert messages == []
         assert saved == list(range(every, 13, every))
+
+
+@pytest.mark.parametrize(("max_steps", "ends_at"), [(3, 4), (4, 4)])
+def test_max_steps_that_is_not_a_multiple_of_a_rollouts_steps_is_warned(max_steps, ends_at):
+    module = make_module(ppo_epochs=1, num_minibatches=2)  # 2 optimizer steps per rollout
+    trainer = make_trainer(max_steps=max_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, make_data())
+    messages = [str(w.message) for w in caught if str(w.message).startswith("trainer.max_steps")]
+    assert trainer.global_step == ends_at  # a rollout's 2 steps are never cut
+    if max_steps % 2:
+        assert len(messages) == 1 and "the run ends at step 4 (2 rollouts). Use a multiple of 2" in messages[0]
+    else:
+        assert messages == []
