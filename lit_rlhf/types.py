@@ -66,6 +66,9 @@ class Rollout:
             elsewhere), kept when it runs a model of its own (vLLM) for the mismatch metrics and
             `algorithm.tis_cap`; None: the in-process samplers, whose log-probs are the trainer's by
             construction.
+        reward_parts: (B, F) float32: each reward function's own score (columns in `reward_fns` order, before
+            weighting and truncation handling), for the per-function metrics; None: no reward functions, or a
+            `compute_scores` override that does not call the composer.
     """
 
     prompt_ids: Tensor
@@ -80,9 +83,6 @@ class Rollout:
     policy_version: int = 0
     context_mask: Tensor | None = None
     sampler_logprobs: Tensor | None = None
-    # (B, F) float32: each reward function's own score (columns in `reward_fns` order, before weighting and
-    # truncation handling), for the per-function metrics; None: no reward functions, or a `compute_scores` override
-    # that does not call the composer
     reward_parts: Tensor | None = None
 
     @property
